@@ -1,0 +1,20 @@
+// CPU executor: the ring schedule of schedule.h run on host memory. Torch-free.
+#pragma once
+
+#include <cstdint>
+
+#include "types.h"
+
+namespace rr {
+namespace cpu {
+
+// One reduce-scatter hop on n elements: dst[i] = combine(dst[i], src[i]); when `last` is set
+// and op is Avg, the result is divided by `nranks` before rounding to the storage type.
+void combine(DType dtype, Op op, void* dst, const void* src, int64_t n, bool last, int nranks);
+
+// All-reduce `count` elements of `nranks` distinct host buffers in place, one ring step at a
+// time across all ranks. Every buffer ends up bitwise identical.
+void all_reduce(void* const* bufs, int nranks, int64_t count, DType dtype, Op op);
+
+}  // namespace cpu
+}  // namespace rr

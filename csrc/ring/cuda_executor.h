@@ -1,0 +1,59 @@
+// Single-process CUDA executor: one process owns every rank's buffer (several GPUs, or several
+// buffers on one GPU as "simulated ranks"). Torch-free: raw pointers, int64 counts, cudaStream_t.
+// Every CUDA error is thrown as std::runtime_error naming the call and what it was doing.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "types.h"
+
+namespace rr {
+namespace cuda {
+
+constexpr int kMaxRanks = 64;
+
+struct RankBuffer {
+  void* ptr;   // device pointer to the rank's `count` elements
+  int device;  // CUDA ordinal the buffer lives on
+};
+
+struct DeviceStream {
+  int device;
+  cudaStream_t stream;  // the stream every piece of work for this device is queued on
+};
+
+// One piece of a ring step: dst = combine(dst, src) or dst = src for n elements.
+struct Task {
+  void* dst;
+  const void* src;
+  int64_t n;
+};
+
+// Launches one kernel that performs `ntasks` (<= kMaxRanks) tasks of one ring step on
+// `stream` (all pointers must be reachable from the stream's device). `reduce` selects
+// combine vs copy; `last` marks the final reduce-scatter hop (avg divides by `nranks`).
+void launch_step(const Task* tasks, int ntasks, DType dtype, Op op, bool reduce, bool last,
+                 int nranks, cudaStream_t stream);
+
+// All-reduce in place. `streams` names one stream per distinct device among the buffers; the
+// call is ordered after work already queued there and work queued there afterwards sees the
+// result (cross-device dependencies go through events). Returns descriptions of the
+// neighbour pairs that had no peer access and were staged through cudaMemcpyPeerAsync.
+std::vector<std::string> all_reduce(const RankBuffer* bufs, int nranks, int64_t count,
+                                    DType dtype, Op op, const DeviceStream* streams,
+                                    int nstreams);
+
+// Throws if this build has no kernel image that can run on `device`.
+void check_device_supported(int device);
+
+int device_count();
+// can[i][j]: device i can read device j's memory directly.
+std::vector<std::vector<int>> peer_access_matrix();
+std::string device_name(int device);
+
+}  // namespace cuda
+}  // namespace rr

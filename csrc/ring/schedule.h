@@ -1,0 +1,70 @@
+// The ring schedule: which chunk each rank receives, reduces and forwards at each step.
+// Pure arithmetic, shared by every executor. Torch-free.
+//
+// N ranks, `count` elements each, split into N chunks. Chunk boundaries are multiples of
+// 16 bytes so every chunk of a 16-byte-aligned buffer can be moved with 16-byte vectors; the
+// last chunks absorb the uneven tail and may be short or empty (count < N is fine).
+//
+// Steps are numbered 0 .. 2(N-1)-1 within one all-reduce:
+//   reduce-scatter, step s in [0, N-1):  rank r receives chunk (r - s - 1) mod N from rank
+//       r - 1 and combines it into its own copy: buf[r][c] = op(buf[r][c], buf[r-1][c]).
+//       After the last one rank r holds the fully reduced chunk (r + 1) mod N.
+//   all-gather, step N-1+t, t in [0, N-1): rank r copies chunk (r - t) mod N, which rank r-1
+//       finished (or received) one step earlier: buf[r][c] = buf[r-1][c].
+// Data dependency: rank r's step k reads what rank r-1 wrote at step k-1, and nothing else.
+// Chunk c is reduced in the fixed order c, c+1, ..., c+N-1 (mod N), so the result is the
+// same on every rank and on every call, whatever the timing.
+#pragma once
+
+#include <cstdint>
+
+namespace rr {
+
+struct Range {
+  int64_t offset;  // elements
+  int64_t count;   // elements
+};
+
+struct Step {
+  int chunk;      // chunk index moved at this step
+  int src_rank;   // the rank read from (always r - 1 mod N)
+  bool reduce;    // true: combine into own copy (reduce-scatter); false: copy (all-gather)
+  bool last_reduce;  // the final reduce-scatter hop of this chunk (avg divides here)
+};
+
+inline int mod(int64_t a, int n) { return int(((a % n) + n) % n); }
+
+inline int64_t num_steps(int nranks) { return nranks > 1 ? 2 * int64_t(nranks - 1) : 0; }
+
+// Elements per chunk (all but the tail), a multiple of 16 bytes' worth of elements.
+inline int64_t chunk_elems(int64_t count, int nranks, int64_t elem_size) {
+  const int64_t align = elem_size >= 16 ? 1 : 16 / elem_size;
+  int64_t per = (count + nranks - 1) / nranks;
+  return (per + align - 1) / align * align;
+}
+
+inline Range chunk_range(int64_t count, int nranks, int64_t elem_size, int chunk) {
+  const int64_t per = chunk_elems(count, nranks, elem_size);
+  int64_t begin = per * chunk;
+  if (begin > count) begin = count;
+  int64_t end = begin + per;
+  if (end > count) end = count;
+  return Range{begin, end - begin};
+}
+
+inline Step ring_step(int rank, int nranks, int64_t step) {
+  Step s;
+  s.src_rank = mod(rank - 1, nranks);
+  if (step < nranks - 1) {
+    s.chunk = mod(rank - step - 1, nranks);
+    s.reduce = true;
+    s.last_reduce = step == nranks - 2;
+  } else {
+    s.chunk = mod(rank - (step - (nranks - 1)), nranks);
+    s.reduce = false;
+    s.last_reduce = false;
+  }
+  return s;
+}
+
+}  // namespace rr

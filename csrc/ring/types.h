@@ -1,0 +1,230 @@
+// Element types and reduction operators shared by every executor (CPU, CUDA, multi-process).
+// Torch-free: compiles with a plain C++17 compiler and with nvcc.
+#pragma once
+
+#include <cstdint>
+#include <cstring>
+
+#if defined(__CUDACC__)
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#endif
+
+#if defined(__CUDACC__)
+#define RR_HD __host__ __device__ __forceinline__
+#else
+#define RR_HD inline
+#endif
+
+// Compute capabilities this build targets, as a string like "80_90" (set by setup.py).
+#define RR_STRINGIFY_(x) #x
+#define RR_STRINGIFY(x) RR_STRINGIFY_(x)
+#ifdef RINGREDUCE_ARCHS
+#define RINGREDUCE_ARCH_LIST RR_STRINGIFY(RINGREDUCE_ARCHS)
+#else
+#define RINGREDUCE_ARCH_LIST ""
+#endif
+
+namespace rr {
+
+enum class DType : int { F32 = 0, F64, F16, BF16, I32, I64, I8, U8 };
+enum class Op : int { Sum = 0, Avg, Max, Min, Prod };
+
+inline int64_t elem_size(DType t) {
+  switch (t) {
+    case DType::F64:
+    case DType::I64: return 8;
+    case DType::F32:
+    case DType::I32: return 4;
+    case DType::F16:
+    case DType::BF16: return 2;
+    case DType::I8:
+    case DType::U8: return 1;
+  }
+  return 0;
+}
+
+inline bool is_floating(DType t) {
+  return t == DType::F32 || t == DType::F64 || t == DType::F16 || t == DType::BF16;
+}
+
+inline const char* dtype_name(DType t) {
+  switch (t) {
+    case DType::F32: return "float32";
+    case DType::F64: return "float64";
+    case DType::F16: return "float16";
+    case DType::BF16: return "bfloat16";
+    case DType::I32: return "int32";
+    case DType::I64: return "int64";
+    case DType::I8: return "int8";
+    case DType::U8: return "uint8";
+  }
+  return "?";
+}
+
+inline const char* op_name(Op op) {
+  switch (op) {
+    case Op::Sum: return "sum";
+    case Op::Avg: return "avg";
+    case Op::Max: return "max";
+    case Op::Min: return "min";
+    case Op::Prod: return "prod";
+  }
+  return "?";
+}
+
+// 16-bit floats are carried as raw bits so that host and device code share one definition.
+// Arithmetic on them happens in fp32 (see Reducer): each ring hop converts both operands to
+// fp32, applies the operator once and rounds the result back to nearest-even. A value that
+// crosses N ranks is therefore rounded N-1 times (once per reduce-scatter hop); all-gather
+// copies bits and adds no rounding.
+struct half_bits { uint16_t x; };
+struct bf16_bits { uint16_t x; };
+
+RR_HD uint32_t f32_bits(float f) { uint32_t u; std::memcpy(&u, &f, 4); return u; }
+RR_HD float bits_f32(uint32_t u) { float f; std::memcpy(&f, &u, 4); return f; }
+
+RR_HD float to_float(bf16_bits v) { return bits_f32(uint32_t(v.x) << 16); }
+
+RR_HD bf16_bits bf16_from_float(float f) {
+#if defined(__CUDA_ARCH__)
+  return bf16_bits{__bfloat16_as_ushort(__float2bfloat16_rn(f))};
+#else
+  uint32_t u = f32_bits(f);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return bf16_bits{uint16_t((u >> 16) | 0x40u)};  // quiet NaN
+  u += 0x7fffu + ((u >> 16) & 1u);  // round to nearest, ties to even
+  return bf16_bits{uint16_t(u >> 16)};
+#endif
+}
+
+// IEEE binary16 <-> binary32. The host path is integer arithmetic that rounds exactly like the
+// device intrinsics used on the GPU (round to nearest, ties to even; overflow to infinity), so
+// CPU and GPU results agree bit for bit.
+RR_HD float to_float(half_bits v) {
+#if defined(__CUDA_ARCH__)
+  return __half2float(__ushort_as_half(v.x));
+#else
+  uint32_t sign = uint32_t(v.x & 0x8000u) << 16;
+  uint32_t exp = (v.x >> 10) & 0x1fu;
+  uint32_t man = v.x & 0x3ffu;
+  if (exp == 0x1fu) return bits_f32(sign | 0x7f800000u | (man << 13));  // inf / NaN
+  if (exp == 0) {
+    if (man == 0) return bits_f32(sign);
+    // subnormal: value = man * 2^-24, exact in fp32
+    float f = float(man) * 5.9604644775390625e-08f;
+    return sign ? -f : f;
+  }
+  return bits_f32(sign | ((exp + 112u) << 23) | (man << 13));
+#endif
+}
+
+RR_HD half_bits half_from_float(float f) {
+#if defined(__CUDA_ARCH__)
+  return half_bits{__half_as_ushort(__float2half_rn(f))};
+#else
+  uint32_t u = f32_bits(f);
+  uint16_t sign = uint16_t((u >> 16) & 0x8000u);
+  uint32_t a = u & 0x7fffffffu;
+  if (a > 0x7f800000u) return half_bits{uint16_t(sign | 0x7e00u | ((a >> 13) & 0x3ffu))};  // NaN
+  if (a >= 0x477ff000u) return half_bits{uint16_t(sign | 0x7c00u)};  // rounds to >= 65520: inf
+  if (a < 0x38800000u) {
+    // result is subnormal or zero: shift the full significand into place, round half to even
+    if (a < 0x33000000u) return half_bits{sign};  // below half the smallest subnormal
+    uint32_t e = a >> 23;
+    uint32_t m = (a & 0x7fffffu) | 0x800000u;
+    uint32_t shift = 126u - e;  // 14..24
+    uint32_t q = m >> shift;
+    uint32_t rem = m & ((1u << shift) - 1u);
+    uint32_t halfway = 1u << (shift - 1u);
+    if (rem > halfway || (rem == halfway && (q & 1u))) ++q;
+    return half_bits{uint16_t(sign | q)};
+  }
+  uint32_t r = a - 0x38000000u;  // rebias exponent 127 -> 15 (shifted by 13 below)
+  r += 0xfffu + ((r >> 13) & 1u);
+  return half_bits{uint16_t(sign | (r >> 13))};
+#endif
+}
+
+// The arithmetic type of each storage type: half types compute in fp32.
+template <typename T> struct Acc { using type = T; };
+template <> struct Acc<half_bits> { using type = float; };
+template <> struct Acc<bf16_bits> { using type = float; };
+
+template <typename T> RR_HD typename Acc<T>::type load_acc(T v) { return v; }
+RR_HD float load_acc(half_bits v) { return to_float(v); }
+RR_HD float load_acc(bf16_bits v) { return to_float(v); }
+
+template <typename T> RR_HD T store_acc(typename Acc<T>::type v) { return v; }
+template <> RR_HD half_bits store_acc<half_bits>(float v) { return half_from_float(v); }
+template <> RR_HD bf16_bits store_acc<bf16_bits>(float v) { return bf16_from_float(v); }
+
+// Integer sum and product wrap modulo 2^bits like torch's integer arithmetic; they go through
+// the unsigned type because signed overflow is undefined behaviour in C++.
+template <typename A> struct Wrap { static RR_HD A add(A a, A b) { return a + b; }
+                                     static RR_HD A mul(A a, A b) { return a * b; } };
+#define RR_WRAP_INT(S, U)                                                                  \
+  template <> struct Wrap<S> {                                                            \
+    static RR_HD S add(S a, S b) { return S(U(U(a) + U(b))); }                             \
+    static RR_HD S mul(S a, S b) { return S(U(U(a) * U(b))); }                             \
+  };
+RR_WRAP_INT(int8_t, uint32_t)
+RR_WRAP_INT(int32_t, uint32_t)
+RR_WRAP_INT(int64_t, uint64_t)
+RR_WRAP_INT(uint8_t, uint32_t)
+#undef RR_WRAP_INT
+
+template <typename A> RR_HD bool is_nan(A a) { return a != a; }
+
+// combine(mine, incoming). The operand order is fixed (the rank's own partial first) so the
+// result of a reduction depends only on the ring order, never on timing. Max and min
+// propagate NaN like torch.maximum / torch.minimum.
+template <typename A, Op op> struct Combine;
+template <typename A> struct Combine<A, Op::Sum> {
+  static RR_HD A apply(A a, A b) { return Wrap<A>::add(a, b); } };
+template <typename A> struct Combine<A, Op::Avg> {
+  static RR_HD A apply(A a, A b) { return Wrap<A>::add(a, b); } };
+template <typename A> struct Combine<A, Op::Prod> {
+  static RR_HD A apply(A a, A b) { return Wrap<A>::mul(a, b); } };
+template <typename A> struct Combine<A, Op::Max> {
+  static RR_HD A apply(A a, A b) { return is_nan(a) ? a : (is_nan(b) ? b : (b > a ? b : a)); } };
+template <typename A> struct Combine<A, Op::Min> {
+  static RR_HD A apply(A a, A b) { return is_nan(a) ? a : (is_nan(b) ? b : (b < a ? b : a)); } };
+
+// One element of one reduce-scatter hop: dst = combine(dst, src), and on the last hop of an
+// average the division by the rank count happens before the single rounding to T.
+template <typename T, Op op> struct Reducer {
+  using A = typename Acc<T>::type;
+  static RR_HD T step(T mine, T incoming) {
+    return store_acc<T>(Combine<A, op>::apply(load_acc(mine), load_acc(incoming)));
+  }
+  static RR_HD T last_step(T mine, T incoming, A divisor) {
+    A r = Combine<A, op>::apply(load_acc(mine), load_acc(incoming));
+    if (op == Op::Avg) r = r / divisor;
+    return store_acc<T>(r);
+  }
+};
+
+}  // namespace rr
+
+// Calls F.template operator()<T, op>() for the runtime (dtype, op) pair. Avg on integer types
+// is rejected by the bindings before dispatch; here it is simply not instantiated.
+#define RR_DISPATCH_OP(T, OP, ...)                                                         \
+  switch (OP) {                                                                             \
+    case ::rr::Op::Sum: { constexpr ::rr::Op kOp = ::rr::Op::Sum; __VA_ARGS__; } break;    \
+    case ::rr::Op::Avg: { constexpr ::rr::Op kOp = ::rr::Op::Avg; __VA_ARGS__; } break;    \
+    case ::rr::Op::Max: { constexpr ::rr::Op kOp = ::rr::Op::Max; __VA_ARGS__; } break;    \
+    case ::rr::Op::Min: { constexpr ::rr::Op kOp = ::rr::Op::Min; __VA_ARGS__; } break;    \
+    case ::rr::Op::Prod: { constexpr ::rr::Op kOp = ::rr::Op::Prod; __VA_ARGS__; } break;  \
+  }
+
+#define RR_DISPATCH(DT, OP, ...)                                                           \
+  switch (DT) {                                                                             \
+    case ::rr::DType::F32: { using T = float; RR_DISPATCH_OP(T, OP, __VA_ARGS__) } break;   \
+    case ::rr::DType::F64: { using T = double; RR_DISPATCH_OP(T, OP, __VA_ARGS__) } break;  \
+    case ::rr::DType::F16: { using T = ::rr::half_bits; RR_DISPATCH_OP(T, OP, __VA_ARGS__) } break; \
+    case ::rr::DType::BF16: { using T = ::rr::bf16_bits; RR_DISPATCH_OP(T, OP, __VA_ARGS__) } break; \
+    case ::rr::DType::I32: { using T = int32_t; RR_DISPATCH_OP(T, OP, __VA_ARGS__) } break; \
+    case ::rr::DType::I64: { using T = int64_t; RR_DISPATCH_OP(T, OP, __VA_ARGS__) } break; \
+    case ::rr::DType::I8: { using T = int8_t; RR_DISPATCH_OP(T, OP, __VA_ARGS__) } break;   \
+    case ::rr::DType::U8: { using T = uint8_t; RR_DISPATCH_OP(T, OP, __VA_ARGS__) } break;  \
+  }

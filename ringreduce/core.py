@@ -2,6 +2,7 @@
 import warnings
 
 import torch
+import torch.distributed
 
 try:
     from . import _C
@@ -32,11 +33,12 @@ def parse_op(op):
         if name in OPS:
             return name
         raise ValueError(f"ringreduce: op must be one of {', '.join(OPS)}; got {op!r}")
-    # torch.distributed.ReduceOp and its RedOpType members both expose the member name
-    # through str()/repr() ("RedOpType.SUM"); match on the name, never on the integer value.
-    name = getattr(op, "name", None) or str(op).rsplit(".", 1)[-1]
-    if type(op).__name__ in ("ReduceOp", "RedOpType") and name in _REDUCE_OP_NAMES:
-        return _REDUCE_OP_NAMES[name]
+    if torch.distributed.is_available():
+        reduce_op = torch.distributed.ReduceOp
+        if isinstance(op, (reduce_op, reduce_op.RedOpType)):
+            for member, name in _REDUCE_OP_NAMES.items():
+                if op == getattr(reduce_op, member):
+                    return name
     raise ValueError(
         f"ringreduce: op must be one of {', '.join(OPS)} or the matching "
         f"torch.distributed.ReduceOp (SUM, AVG, MAX, MIN, PRODUCT); got {op!r}")

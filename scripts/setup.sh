@@ -1,0 +1,21 @@
+#!/usr/bin/env bash
+# Sets up ringreduce in the current Python environment and builds its extensions.
+# Installs only what is missing, so it also works offline where torch is already present
+# (the GPU machine). Without torch it installs torch==${RINGREDUCE_TORCH:-2.13.0}.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+
+missing=()
+$PY -c "import torch" 2>/dev/null || missing+=("torch==${RINGREDUCE_TORCH:-2.13.0}")
+for mod in ninja pytest numpy; do
+  $PY -c "import $mod" 2>/dev/null || missing+=("$mod")
+done
+if [ ${#missing[@]} -gt 0 ]; then
+  echo "setup: installing ${missing[*]}"
+  $PY -m pip install -q "${missing[@]}"
+fi
+
+# No build isolation: the build needs the installed torch, and must work without network.
+$PY -m pip install -q --no-build-isolation --no-deps --use-pep517 -e .
+$PY -c "import ringreduce, json; print('setup: ringreduce', json.dumps(ringreduce.build_info()))"

@@ -1,0 +1,136 @@
+"""References for all-reduce tests: independent of the extension's code.
+
+- ``ring_model``: the ring's result computed with torch ops in the ring's reduction order
+  (chunk c is combined in rank order c, c+1, ..., c+N-1, each hop rounded to the dtype, half
+  types through fp32). It must match ringreduce bit for bit, on CPU and GPU alike.
+- ``wide_reference``: the mathematical reduction in float64 (floats) or with exact integer
+  wrap-around (ints), for tolerance checks that do not share the ring's reduction order.
+"""
+import torch
+
+FLOAT_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
+INT_DTYPES = (torch.int32, torch.int64, torch.int8, torch.uint8)
+ALL_DTYPES = FLOAT_DTYPES + INT_DTYPES
+OPS = ("sum", "avg", "max", "min", "prod")
+
+# Relative error bound per hop for each float dtype (unit roundoff).
+UNIT_ROUNDOFF = {torch.float32: 2.0**-24, torch.float64: 2.0**-53,
+                 torch.float16: 2.0**-11, torch.bfloat16: 2.0**-8}
+
+
+def valid_ops(dtype):
+    return OPS if dtype.is_floating_point else tuple(o for o in OPS if o != "avg")
+
+
+def random_inputs(nranks, count, dtype, op, device="cpu", generator=None):
+    """Random, never-zero inputs; products stay small so floats do not overflow."""
+    g = generator
+    out = []
+    for _ in range(nranks):
+        if dtype.is_floating_point:
+            if op == "prod":
+                mag = torch.rand(count, generator=g, dtype=torch.float64) * 0.5 + 0.75
+            else:
+                mag = torch.rand(count, generator=g, dtype=torch.float64) * 4 + 0.01
+            sign = torch.randint(0, 2, (count,), generator=g) * 2 - 1
+            t = (mag * sign).to(dtype)
+        else:
+            info = torch.iinfo(dtype)
+            if op == "prod":
+                lo, hi = (1, 4) if info.min == 0 else (-3, 4)
+            else:
+                lo, hi = max(info.min, -(2**40)), min(info.max, 2**40) + 1
+            t = torch.randint(lo, hi, (count,), generator=g, dtype=torch.int64)
+            t[t == 0] = 1
+            t = t.to(dtype)
+        out.append(t.to(device))
+    return out
+
+
+def chunk_bounds(count, nranks, elem_size):
+    align = max(1, 16 // elem_size)
+    per = -(-count // nranks)
+    per = -(-per // align) * align
+    return [(min(per * c, count), min(per * (c + 1), count)) for c in range(nranks)]
+
+
+def _combine(op, mine, incoming, dtype, last, nranks):
+    """One hop in the arithmetic type: fp32 for 16-bit floats, the dtype itself otherwise."""
+    acc = torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
+    a, b = mine.to(acc), incoming.to(acc)
+    if op in ("sum", "avg"):
+        r = a + b
+    elif op == "prod":
+        r = a * b
+    elif not acc.is_floating_point:
+        r = torch.maximum(a, b) if op == "max" else torch.minimum(a, b)
+    else:
+        # NaN propagates; otherwise the incoming value replaces mine only if strictly better.
+        better = (b > a) if op == "max" else (b < a)
+        r = torch.where(torch.isnan(a) | ~(better | torch.isnan(b)), a, b)
+    if op == "avg" and last:
+        r = r / nranks
+    return r.to(dtype)
+
+
+def ring_model(inputs, op):
+    """The value every rank must hold after ringreduce's ring, bit for bit."""
+    n = len(inputs)
+    x = [t.detach().cpu().reshape(-1) for t in inputs]
+    dtype = x[0].dtype
+    out = x[0].clone()
+    if n == 1:
+        return out.reshape(inputs[0].shape)
+    for c, (lo, hi) in enumerate(chunk_bounds(x[0].numel(), n, x[0].element_size())):
+        if lo == hi:
+            continue
+        acc = x[c][lo:hi]
+        for j in range(1, n):
+            acc = _combine(op, x[(c + j) % n][lo:hi], acc, dtype, j == n - 1, n)
+        out[lo:hi] = acc
+    return out.reshape(inputs[0].shape)
+
+
+def wide_reference(inputs, op):
+    """float64 for float dtypes; exact integer arithmetic wrapped to the dtype for ints."""
+    dtype = inputs[0].dtype
+    wide = torch.float64 if dtype.is_floating_point else torch.int64
+    s = torch.stack([t.detach().cpu().to(wide) for t in inputs])
+    if op == "sum":
+        r = s.sum(0)
+    elif op == "avg":
+        r = s.mean(0)
+    elif op == "max":
+        r = s.amax(0)
+    elif op == "min":
+        r = s.amin(0)
+    else:
+        r = s.prod(0)
+    return r
+
+
+def assert_close_to_wide(result, inputs, op):
+    ref = wide_reference(inputs, op)
+    dtype = result.dtype
+    got = result.detach().cpu()
+    if not dtype.is_floating_point:
+        assert torch.equal(got, ref.to(dtype)), "integer all-reduce differs from exact reference"
+        return
+    n = len(inputs)
+    got = got.to(torch.float64)
+    if op in ("max", "min"):
+        assert torch.equal(got, ref), f"{op} differs from reference"
+        return
+    u = UNIT_ROUNDOFF[dtype]
+    if op == "prod":
+        tol = (2 * n + 1) * u * ref.abs()
+    else:
+        scale = torch.stack([t.detach().cpu().to(torch.float64).abs() for t in inputs]).sum(0)
+        if op == "avg":
+            scale = scale / n
+        tol = (n + 1) * u * scale
+    err = (got - ref).abs()
+    bad = err > tol + 1e-300
+    assert not bad.any(), (
+        f"{int(bad.sum())} elements outside the rounding bound; worst error "
+        f"{float(err.max()):.3g}")

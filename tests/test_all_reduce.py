@@ -1,0 +1,140 @@
+"""ringreduce.all_reduce on CPU ranks: every dtype x op x rank count x awkward size."""
+import pytest
+import torch
+import torch.distributed as dist
+
+import ringreduce
+from reference import (ALL_DTYPES, assert_close_to_wide, chunk_bounds, random_inputs,
+                       ring_model, valid_ops)
+
+# Sizes around every boundary: empty, fewer elements than ranks, odd, one past a 16-byte
+# vector, chunk sizes that leave empty trailing chunks, and a few thousand.
+SIZES = (0, 1, 2, 3, 5, 7, 9, 17, 31, 33, 100, 257, 1023, 4099)
+
+
+def _cases():
+    for dtype in ALL_DTYPES:
+        for op in valid_ops(dtype):
+            for nranks in range(1, 9):
+                yield dtype, op, nranks
+
+
+@pytest.mark.parametrize("dtype,op,nranks", list(_cases()),
+                         ids=lambda v: str(v).replace("torch.", ""))
+def test_matches_references(dtype, op, nranks):
+    g = torch.Generator().manual_seed(hash((str(dtype), op, nranks)) % 2**31)
+    for count in SIZES:
+        inputs = random_inputs(nranks, count, dtype, op, generator=g)
+        tensors = [t.clone() for t in inputs]
+        out = ringreduce.all_reduce(tensors, op=op)
+        assert out is tensors
+        expected = ring_model(inputs, op)
+        for r, t in enumerate(tensors):
+            assert t.dtype == dtype and t.shape == inputs[0].shape
+            assert torch.equal(t.view(torch.uint8) if count else t,
+                               expected.view(torch.uint8) if count else expected), (
+                f"rank {r} differs from the ring model at count={count}")
+        if count:
+            assert_close_to_wide(tensors[0], inputs, op)
+
+
+def test_rank_results_bitwise_equal_and_repeatable():
+    g = torch.Generator().manual_seed(1)
+    inputs = random_inputs(7, 12345, torch.float32, "sum", generator=g)
+    first = [t.clone() for t in inputs]
+    second = [t.clone() for t in inputs]
+    ringreduce.all_reduce(first)
+    ringreduce.all_reduce(second)
+    for t in first + second:
+        assert torch.equal(t, first[0])
+
+
+def test_multidimensional_and_scalar_tensors():
+    g = torch.Generator().manual_seed(2)
+    for shape in [(3, 5, 7), (), (1, 0, 4)]:
+        flat = random_inputs(3, int(torch.Size(shape).numel()), torch.float64, "sum", generator=g)
+        inputs = [t.reshape(shape) for t in flat]
+        tensors = [t.clone() for t in inputs]
+        ringreduce.all_reduce(tensors)
+        assert tensors[0].shape == torch.Size(shape)
+        assert torch.equal(tensors[2], ring_model(inputs, "sum"))
+
+
+def test_unaligned_views_of_distinct_storages():
+    # storage offsets that break 16-byte alignment must still reduce correctly
+    g = torch.Generator().manual_seed(3)
+    inputs = random_inputs(4, 1001, torch.float16, "sum", generator=g)
+    bases = [torch.empty(1003, dtype=torch.float16) for _ in inputs]
+    tensors = [b[1 + (i % 2): 1 + (i % 2) + 1001] for i, b in enumerate(bases)]
+    for t, x in zip(tensors, inputs):
+        t.copy_(x)
+    ringreduce.all_reduce(tensors)
+    for t in tensors:
+        assert torch.equal(t, ring_model(inputs, "sum"))
+
+
+def test_disjoint_views_of_one_storage_are_distinct_ranks():
+    g = torch.Generator().manual_seed(4)
+    inputs = random_inputs(3, 10, torch.int32, "sum", generator=g)
+    base = torch.cat(inputs)
+    ringreduce.all_reduce(list(base.split(10)))
+    assert torch.equal(base[20:], ring_model(inputs, "sum"))
+
+
+@pytest.mark.parametrize("op", ["sum", "avg", "max", "min", "prod"])
+def test_reduce_op_enum_equals_string(op):
+    enum = {"sum": dist.ReduceOp.SUM, "avg": dist.ReduceOp.AVG, "max": dist.ReduceOp.MAX,
+            "min": dist.ReduceOp.MIN, "prod": dist.ReduceOp.PRODUCT}[op]
+    g = torch.Generator().manual_seed(5)
+    inputs = random_inputs(3, 50, torch.float32, op, generator=g)
+    a = [t.clone() for t in inputs]
+    b = [t.clone() for t in inputs]
+    ringreduce.all_reduce(a, op)
+    ringreduce.all_reduce(b, enum)
+    assert torch.equal(a[0], b[0])
+    assert ringreduce.parse_op(enum) == op
+    assert ringreduce.parse_op(dist.ReduceOp(enum)) == op
+
+
+def test_nan_propagates_through_max_and_min():
+    for op in ("max", "min"):
+        tensors = [torch.tensor([1.0, 2.0, 3.0]), torch.tensor([float("nan"), 5.0, -1.0]),
+                   torch.tensor([0.5, float("nan"), 7.0])]
+        ringreduce.all_reduce(tensors, op)
+        for t in tensors:
+            assert torch.isnan(t[0]) and torch.isnan(t[1])
+            assert t[2] == (7.0 if op == "max" else -1.0)
+
+
+def test_integer_sum_wraps_like_torch():
+    a = torch.tensor([127, -128, 100], dtype=torch.int8)
+    b = torch.tensor([1, -1, 100], dtype=torch.int8)
+    expected = a + b
+    tensors = [a.clone(), b.clone()]
+    ringreduce.all_reduce(tensors)
+    assert torch.equal(tensors[0], expected) and torch.equal(tensors[1], expected)
+
+
+def test_half_rounding_matches_torch_per_hop():
+    # Two ranks: one hop, so the result is exactly torch's fp32 sum rounded once to half.
+    g = torch.Generator().manual_seed(6)
+    for dtype in (torch.float16, torch.bfloat16):
+        bits = torch.randint(-(2**15), 2**15, (2, 1 << 16), generator=g, dtype=torch.int32)
+        a, b = (x.to(torch.int16).view(dtype) for x in bits)
+        finite = torch.isfinite(a) & torch.isfinite(b)
+        a, b = a[finite], b[finite]
+        tensors = [a.clone(), b.clone()]
+        ringreduce.all_reduce(tensors)
+        expected = (b.float() + a.float()).to(dtype)
+        same = (tensors[0] == expected) | (torch.isnan(tensors[0]) & torch.isnan(expected))
+        assert bool(same.all()), f"{dtype}: {int((~same).sum())} elements rounded differently"
+
+
+def test_chunking_covers_every_element_once():
+    for count in (0, 1, 5, 15, 16, 17, 1000, 4097):
+        for n in range(1, 9):
+            for esize in (1, 2, 4, 8):
+                bounds = chunk_bounds(count, n, esize)
+                assert bounds[0][0] == 0 and bounds[-1][1] == count
+                assert all(b[1] == c[0] for b, c in zip(bounds, bounds[1:]))
+                assert all((lo * esize) % 16 == 0 for lo, hi in bounds if hi > lo)

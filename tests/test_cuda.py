@@ -1,0 +1,174 @@
+"""ringreduce.all_reduce on CUDA: simulated ranks on one GPU, distinct GPUs, stream ordering.
+
+Every GPU result is compared bit for bit with the ring model (tests/reference.py), which is
+also what the CPU path produces: the reduction order and the per-hop rounding are the same.
+"""
+import pytest
+import torch
+
+import ringreduce
+from reference import (ALL_DTYPES, assert_close_to_wide, random_inputs, ring_model,
+                       valid_ops)
+
+HAS_CUDA = torch.cuda.is_available()
+CUDA_BUILD = ringreduce.build_info()["cuda"]
+pytestmark = [
+    pytest.mark.skipif(not HAS_CUDA, reason="no CUDA device visible to torch"),
+    pytest.mark.skipif(HAS_CUDA and not CUDA_BUILD,
+                       reason="ringreduce was built CPU-only (torch without CUDA or no nvcc)"),
+]
+MULTI_GPU = HAS_CUDA and torch.cuda.device_count() >= 2
+
+# Around every threshold: fewer elements than ranks, odd counts, one 16-byte vector plus a
+# tail, chunk sizes that leave trailing chunks empty, and sizes that need many blocks.
+SIZES = (1, 3, 7, 9, 33, 1023, 4099, (1 << 18) + 5, (1 << 20) + 3)
+
+
+def _devices(nranks, spread):
+    if spread and MULTI_GPU:
+        return [torch.device("cuda", r % torch.cuda.device_count()) for r in range(nranks)]
+    return [torch.device("cuda", 0)] * nranks
+
+
+def _run_and_check(inputs, op, devices, poison=True):
+    tensors = [x.to(d) for x, d in zip(inputs, devices)]
+    ringreduce.all_reduce(tensors, op)
+    torch.cuda.synchronize()
+    expected = ring_model(inputs, op)
+    for r, t in enumerate(tensors):
+        got = t.cpu()
+        assert torch.equal(got.view(torch.uint8), expected.view(torch.uint8)), (
+            f"rank {r} on {t.device} differs from the ring model "
+            f"({int((got != expected).sum())} of {got.numel()} elements)")
+    assert_close_to_wide(tensors[0], inputs, op)
+
+
+def _cases():
+    for dtype in ALL_DTYPES:
+        for op in valid_ops(dtype):
+            yield dtype, op
+
+
+@pytest.mark.parametrize("dtype,op", list(_cases()), ids=lambda v: str(v).replace("torch.", ""))
+@pytest.mark.parametrize("nranks", [1, 2, 3, 4, 5, 8])
+def test_simulated_ranks(dtype, op, nranks):
+    g = torch.Generator().manual_seed(nranks * 1000 + len(op))
+    for count in SIZES:
+        _run_and_check(random_inputs(nranks, count, dtype, op, generator=g), op,
+                       _devices(nranks, spread=False))
+
+
+@pytest.mark.skipif(not MULTI_GPU, reason="needs two or more GPUs")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int64])
+@pytest.mark.parametrize("nranks", [2, 3, 4, 8])
+def test_distinct_gpus(dtype, nranks):
+    g = torch.Generator().manual_seed(nranks)
+    for op in valid_ops(dtype):
+        for count in SIZES:
+            _run_and_check(random_inputs(nranks, count, dtype, op, generator=g), op,
+                           _devices(nranks, spread=True))
+
+
+@pytest.mark.parametrize("offset", [1, 2, 3])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.int8])
+def test_unaligned_storage_offsets_take_the_scalar_path(offset, dtype):
+    g = torch.Generator().manual_seed(offset)
+    count = 4099
+    inputs = random_inputs(4, count, dtype, "sum", generator=g)
+    bases = [torch.empty(count + 8, dtype=dtype, device="cuda") for _ in inputs]
+    # ranks alternate between aligned and unaligned so both paths meet in one launch
+    tensors = [b[(offset if r % 2 else 0):][:count] for r, b in enumerate(bases)]
+    for t, x in zip(tensors, inputs):
+        t.copy_(x)
+    ringreduce.all_reduce(tensors)
+    expected = ring_model(inputs, "sum")
+    for t in tensors:
+        assert torch.equal(t.cpu(), expected)
+
+
+def test_repeatable_and_equal_on_all_ranks():
+    g = torch.Generator().manual_seed(7)
+    inputs = random_inputs(4, (1 << 20) + 1, torch.float32, "sum", generator=g)
+    a = [x.cuda() for x in inputs]
+    b = [x.cuda() for x in inputs]
+    ringreduce.all_reduce(a)
+    ringreduce.all_reduce(b)
+    for t in a + b:
+        assert torch.equal(t, a[0])
+
+
+def test_matches_cpu_path_bitwise():
+    g = torch.Generator().manual_seed(8)
+    for dtype in (torch.float16, torch.bfloat16, torch.float32):
+        inputs = random_inputs(5, 10007, dtype, "avg", generator=g)
+        cpu = [x.clone() for x in inputs]
+        gpu = [x.cuda() for x in inputs]
+        ringreduce.all_reduce(cpu, "avg")
+        ringreduce.all_reduce(gpu, "avg")
+        assert torch.equal(gpu[3].cpu(), cpu[3])
+
+
+def test_stream_ordering_on_a_side_stream():
+    """Inputs produced on the current stream right before the call, overwritten right after."""
+    g = torch.Generator().manual_seed(9)
+    n, count = 4, (1 << 22) + 7
+    inputs = random_inputs(n, count, torch.float32, "sum", generator=g)
+    staged = [x.pin_memory() for x in inputs]
+    side = torch.cuda.Stream()
+    big = torch.randn(4096, 4096, device="cuda")
+    with torch.cuda.stream(side):
+        tensors = [torch.full((count,), float("nan"), device="cuda") for _ in range(n)]
+        big @ big  # keep the stream busy so an unordered read would see the NaN poison
+        for t, x in zip(tensors, staged):
+            t.copy_(x, non_blocking=True)
+        ringreduce.all_reduce(tensors)
+        results = [t.clone() for t in tensors]
+        for t in tensors:
+            t.fill_(-1.0)
+    side.synchronize()
+    expected = ring_model(inputs, "sum")
+    for r in results:
+        assert torch.equal(r.cpu(), expected)
+
+
+def test_tensors_dropped_right_after_the_call():
+    """The caching allocator must not hand the buffers out before the ring is done with them."""
+    g = torch.Generator().manual_seed(10)
+    n, count = 4, (1 << 22) + 3
+    inputs = random_inputs(n, count, torch.float32, "sum", generator=g)
+    expected = ring_model(inputs, "sum")
+    for _ in range(3):
+        tensors = [x.cuda() for x in inputs]
+        keep = tensors[0]
+        ringreduce.all_reduce(tensors)
+        del tensors
+        reuse = [torch.full((count,), 7.0, device="cuda") for _ in range(n - 1)]
+        torch.cuda.synchronize()
+        assert torch.equal(keep.cpu(), expected)
+        del reuse
+
+
+def test_count_zero_and_single_rank_are_noops():
+    t = [torch.empty(0, device="cuda") for _ in range(3)]
+    assert ringreduce.all_reduce(t) is t
+    x = torch.randn(5, device="cuda")
+    before = x.clone()
+    ringreduce.all_reduce([x], "avg")
+    assert torch.equal(x, before)
+
+
+def test_mixed_cpu_and_cuda_rejected_before_modification():
+    a = torch.randn(8, device="cuda")
+    b = torch.randn(8)
+    before = (a.clone(), b.clone())
+    with pytest.raises(ValueError, match="same device type"):
+        ringreduce.all_reduce([a, b])
+    assert torch.equal(a, before[0]) and torch.equal(b, before[1])
+
+
+def test_build_info_reports_cuda():
+    info = ringreduce.build_info()
+    assert info["cuda"] is True
+    assert info["arch_list"]
+    report = ringreduce.peer_access()
+    assert len(report["devices"]) == torch.cuda.device_count()

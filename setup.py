@@ -60,9 +60,10 @@ def sources(*patterns):
 def make_extensions():
     cuda = want_cuda()
     debug = env_flag("RINGREDUCE_DEBUG")
-    cxx = ["-std=c++17", "-O0", "-g"] if debug else ["-std=c++17", "-O3"]
+    # No -std flag: torch's build adds the standard its headers need (C++17 or C++20).
+    cxx = ["-O0", "-g"] if debug else ["-O3"]
     macros = [("RINGREDUCE_DEBUG", None)] if debug else []
-    nvcc = ["-std=c++17"] + (["-O0", "-g", "-G", "-lineinfo"] if debug else ["-O3"])
+    nvcc = ["-O0", "-g", "-G", "-lineinfo"] if debug else ["-O3"]
     if cuda:
         archs = arch_list()
         # Passed as a bare token (80_90): quotes and semicolons do not survive the build's shell.

@@ -1,0 +1,862 @@
+#!/usr/bin/env python3
+"""All-reduce bandwidth benchmark: ringreduce against NCCL side by side, in nccl-tests form.
+
+    python bench/ring.py                      # defaults fit the machine (see --help)
+    python bench/ring.py --device cpu --max-bytes 1M --json out.json --csv out.csv --plot out.png
+
+For every message size (bytes per rank, doubling) it prints size, count, type, redop, then
+time(us), algbw(GB/s), busbw(GB/s) and #wrong for each implementation, run on the same
+buffers in the same process:
+  ringreduce  ringreduce.all_reduce
+  nccl        CUDA only: torch.cuda.nccl.all_reduce (one tensor per GPU); with several ranks
+              on one GPU torch refuses ("inputs must be on unique devices"), so libnccl is called
+              directly (ncclCommInitAll with the GPU repeated), which needs NCCL >= 2.30 and
+              NCCL_MULTI_RANK_GPU_ENABLE=1. Where NCCL cannot run, the reason stands in its column.
+  reference   CPU only: torch.stack + reduce + copy back into every rank
+  roofline    all ranks on one GPU: ringreduce's time as a percentage of the ideal time
+              5*S*(N-1)/B, B the device-to-device copy bandwidth measured in this run.
+Exits 1 when any result is wrong or ringreduce fails, 2 on bad arguments.
+"""
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import subprocess
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+_HERE = str(Path(__file__).resolve().parent)
+if _HERE not in sys.path:
+    sys.path.insert(0, _HERE)
+
+import common  # noqa: E402  (bench/ is not a package; common.py sits beside this file)
+import torch  # noqa: E402
+
+DTYPES = {
+    "float32": torch.float32, "float64": torch.float64, "float16": torch.float16,
+    "bfloat16": torch.bfloat16, "int32": torch.int32, "int64": torch.int64,
+    "int8": torch.int8, "uint8": torch.uint8,
+}
+OPS = ("sum", "avg", "max", "min", "prod")
+
+DEFAULT_MAX_BYTES = {"cuda": common.GiB, "cpu": 64 * common.MiB}
+DEFAULT_ITERS = {"cuda": (20, 5), "cpu": (10, 2)}  # (timed iterations, warm-up iterations)
+SIMULATED_RANKS = 4   # default rank count on one GPU and on CPU
+NCCL_MULTI_RANK_MIN = (2, 30)
+NCCL_PROBE_TIMEOUT_S = 180
+NCCL_PROBE_FLAG = "--nccl-probe"
+
+# ncclDataType_t and ncclRedOp_t values from nccl.h (stable since NCCL 2.10, which added
+# bfloat16 and ncclAvg).
+NCCL_TYPES = {
+    torch.int8: 0, torch.uint8: 1, torch.int32: 2, torch.int64: 4,
+    torch.float16: 6, torch.float32: 7, torch.float64: 8, torch.bfloat16: 9,
+}
+NCCL_OPS = {"sum": 0, "prod": 1, "max": 2, "min": 3, "avg": 4}
+
+IMPL_COLUMNS = [
+    common.Column("time", "(us)", 10, ".2f"),
+    common.Column("algbw", "(GB/s)", 8, ".2f"),
+    common.Column("busbw", "(GB/s)", 8, ".2f"),
+    common.Column("#wrong", "", 7, "d"),
+]
+KEY_COLUMNS = [
+    common.Column("size", "(B)", 12, "d"),
+    common.Column("count", "(elements)", 12, "d"),
+    common.Column("type", "", 9, "s"),
+    common.Column("redop", "", 6, "s"),
+]
+TOLERANCE_TEXT = {  # what make_reference allows for rounding, for the header
+    "sum": "tolerance eps*(N*sum|x|+|ref|)",
+    "avg": "tolerance eps*(sum|x|+|ref|)",
+    "prod": "tolerance N*eps*|ref|",
+    "max": "exact",
+    "min": "exact",
+}
+ROOFLINE_COLUMNS = [
+    common.Column("ideal", "(us)", 10, ".2f"),
+    common.Column("ring", "(%ideal)", 8, ".1f"),
+]
+
+
+@dataclass
+class Config:
+    device: str                      # "cpu" or "cuda"
+    rank_devices: list[torch.device]
+    dtype_name: str
+    op: str
+    sizes: list[int]
+    iters: int
+    warmup: int
+    seed: int
+    layout: str                      # how the ranks sit on the hardware, for the header
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return DTYPES[self.dtype_name]
+
+    @property
+    def ranks(self) -> int:
+        return len(self.rank_devices)
+
+    @property
+    def elem_size(self) -> int:
+        return torch.empty((), dtype=self.dtype).element_size()
+
+    @property
+    def cuda_indices(self) -> list[int]:
+        return sorted({d.index for d in self.rank_devices}) if self.device == "cuda" else []
+
+    @property
+    def one_gpu(self) -> bool:
+        return self.device == "cuda" and len(self.cuda_indices) == 1
+
+    @property
+    def bus_factor(self) -> float:
+        return 2 * (self.ranks - 1) / self.ranks
+
+
+@dataclass
+class Impl:
+    name: str
+    describe: str
+    run: object                      # callable(list[Tensor]) -> None, in place
+    close: object = None
+
+
+@dataclass
+class Unavailable:
+    name: str
+    short: str                       # fits in the column group
+    detail: str                      # the whole reason, for the header and JSON
+
+
+@dataclass
+class Outcome:
+    ok: bool = True
+    failures: list[str] = field(default_factory=list)
+
+
+# ---------------------------------------------------------------------------------------------
+# Arguments and configuration.
+
+def parse_args(argv):
+    p = argparse.ArgumentParser(
+        prog="bench/ring.py",
+        description="All-reduce bandwidth: ringreduce against NCCL (CUDA) or a torch reference "
+                    "(CPU), nccl-tests columns. Sizes are bytes per rank.")
+    p.add_argument("--device", choices=("cpu", "cuda"), default=None,
+                   help="default: cuda when a GPU is visible, else cpu")
+    p.add_argument("--ranks", type=int, default=None,
+                   help="default: all GPUs when there are two or more (one rank each); "
+                        f"{SIMULATED_RANKS} simulated ranks on one GPU; {SIMULATED_RANKS} on CPU. "
+                        "More ranks than GPUs are placed round-robin (rank r on GPU r %% #GPUs); "
+                        "restrict GPUs with CUDA_VISIBLE_DEVICES")
+    p.add_argument("--min-bytes", type=common.parse_size, default=8,
+                   help="smallest size per rank (default 8); K/M/G suffixes allowed")
+    p.add_argument("--max-bytes", type=common.parse_size, default=None,
+                   help="largest size per rank (default 1G on CUDA, 64M on CPU). Sizes double "
+                        "from --min-bytes; each is rounded down to whole elements and up to at "
+                        "least one element, and repeats after rounding are dropped")
+    p.add_argument("--dtype", choices=tuple(DTYPES), default="float32")
+    p.add_argument("--op", choices=OPS, default="sum")
+    p.add_argument("--iters", type=int, default=None,
+                   help="timed iterations per size, median reported (default 20 CUDA, 10 CPU)")
+    p.add_argument("--warmup", type=int, default=None,
+                   help="untimed iterations per size before timing (default 5 CUDA, 2 CPU)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the random inputs")
+    p.add_argument("--json", metavar="PATH", help="write rows and the run's configuration")
+    p.add_argument("--csv", metavar="PATH", help="write one line per size")
+    p.add_argument("--plot", metavar="PATH",
+                   help="busbw and time against size, one line per implementation (matplotlib)")
+    p.add_argument(NCCL_PROBE_FLAG, action="store_true", help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    return p, args
+
+
+def make_config(parser, args) -> Config:
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if device == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda: no CUDA device is visible to torch "
+                     f"(torch {torch.__version__}, CUDA {torch.version.cuda})")
+    ngpu = torch.cuda.device_count() if device == "cuda" else 0
+    if args.ranks is not None and args.ranks < 2:
+        parser.error(f"--ranks must be at least 2 (got {args.ranks}): an all-reduce over one "
+                     "rank moves no data")
+    if device == "cpu":
+        ranks = args.ranks or SIMULATED_RANKS
+        rank_devices = [torch.device("cpu")] * ranks
+        layout = f"{ranks} ranks on CPU" + ("" if args.ranks else " (default for CPU)")
+    else:
+        if args.ranks is None:
+            ranks = ngpu if ngpu >= 2 else SIMULATED_RANKS
+        else:
+            ranks = args.ranks
+        rank_devices = [torch.device("cuda", r % ngpu) for r in range(ranks)]
+        used = len({d.index for d in rank_devices})
+        if used == 1:
+            layout = f"{ranks} simulated ranks on one GPU (cuda:0)"
+        elif used == ranks:
+            layout = f"{ranks} ranks, one per GPU"
+        else:
+            layout = f"{ranks} ranks round-robin over {used} GPUs"
+        if args.ranks is None:
+            layout += " (default for one GPU)" if ngpu == 1 else " (default: all GPUs)"
+
+    if args.op == "avg" and not DTYPES[args.dtype].is_floating_point:
+        parser.error(f"--op avg needs a floating-point --dtype (got {args.dtype})")
+    iters = DEFAULT_ITERS[device][0] if args.iters is None else args.iters
+    warmup = DEFAULT_ITERS[device][1] if args.warmup is None else args.warmup
+    if iters < 1 or warmup < 0:
+        parser.error(f"--iters must be >= 1 and --warmup >= 0 (got {iters}, {warmup})")
+    elem = torch.empty((), dtype=DTYPES[args.dtype]).element_size()
+    max_bytes = DEFAULT_MAX_BYTES[device] if args.max_bytes is None else args.max_bytes
+    try:
+        sizes = common.doubling_sizes(args.min_bytes, max_bytes, elem)
+    except ValueError as e:
+        parser.error(f"--min-bytes/--max-bytes: {e}")
+    return Config(device=device, rank_devices=rank_devices, dtype_name=args.dtype, op=args.op,
+                  sizes=sizes, iters=iters, warmup=warmup, seed=args.seed, layout=layout)
+
+
+# ---------------------------------------------------------------------------------------------
+# Inputs, reference and check.
+
+def make_inputs(cfg: Config, count: int, seed: int) -> list[torch.Tensor]:
+    """Random inputs, one per rank, whose exact reduction fits the dtype: sums cannot
+    overflow, products stay within [2^-4, 2^4] (floats) or the integer range."""
+    n, dtype = cfg.ranks, cfg.dtype
+    out = []
+    for r, dev in enumerate(cfg.rank_devices):
+        g = torch.Generator(device=dev).manual_seed(seed * 1000003 + r)
+        if dtype.is_floating_point:
+            gen_dtype = torch.float64 if dtype == torch.float64 else torch.float32
+            u = torch.rand(count, generator=g, device=dev, dtype=gen_dtype)
+            if cfg.op == "prod":
+                mag = torch.exp2((2 * u - 1) * min(1.0, 4.0 / n))
+                sign = torch.randint(0, 2, (count,), generator=g, device=dev) * 2 - 1
+                x = mag * sign
+            else:
+                x = 2 * u - 1
+            out.append(x.to(dtype))
+        else:
+            info = torch.iinfo(dtype)
+            if cfg.op == "prod":
+                b = max(1, int(math.floor(info.max ** (1.0 / n))))
+                x = torch.randint(1, b + 1, (count,), generator=g, device=dev, dtype=torch.int64)
+                if info.min < 0:
+                    x *= torch.randint(0, 2, (count,), generator=g, device=dev) * 2 - 1
+            elif cfg.op == "sum":
+                b = max(1, min(info.max // n, 1 << 24))
+                lo = -b if info.min < 0 else 0
+                x = torch.randint(lo, b + 1, (count,), generator=g, device=dev, dtype=torch.int64)
+            else:
+                b = min(info.max, 1 << 24)
+                lo = max(info.min, -b)
+                x = torch.randint(lo, b + 1, (count,), generator=g, device=dev, dtype=torch.int64)
+            out.append(x.to(dtype))
+    return out
+
+
+@dataclass
+class Reference:
+    value: torch.Tensor              # float64 for floating dtypes, the dtype itself for integers
+    tol: torch.Tensor | None         # per-element absolute tolerance; None: exact comparison
+
+
+def make_reference(cfg: Config, inputs: list[torch.Tensor]) -> Reference:
+    """The reduction of `inputs` computed once, on the first rank's device: exactly in int64
+    for integers; in float64 for floats, with a tolerance for the implementation's rounding.
+
+    An implementation reduces in the storage type, rounding once per ring hop (N-1 times; a
+    half-type result is rounded to 16 bits at each hop), in its own fixed order. The error of
+    such a sum is at most (N-1)*u*sum|x_i| (u = eps/2, unit roundoff); the tolerance is
+    eps*(N*sum|x_i| + |ref|), twice that bound plus the final rounding. A product is within
+    (N-1)*u relative, tolerance N*eps*|ref|. Max and min are exact.
+    """
+    n, op = cfg.ranks, cfg.op
+    dev = inputs[0].device
+    floating = cfg.dtype.is_floating_point
+    wide = torch.float64 if floating else torch.int64
+    acc = inputs[0].to(dev, wide, copy=True)  # without copy, float64/int64 inputs would alias
+    abs_sum = acc.abs() if floating and op in ("sum", "avg") else None
+    for x in inputs[1:]:
+        xw = x.to(dev, wide)
+        if op in ("sum", "avg"):
+            acc += xw
+            if abs_sum is not None:
+                abs_sum += xw.abs()
+        elif op == "prod":
+            acc *= xw
+        elif op == "max":
+            torch.maximum(acc, xw, out=acc)
+        else:
+            torch.minimum(acc, xw, out=acc)
+        del xw
+    if not floating:
+        return Reference(acc.to(cfg.dtype), None)
+    eps = torch.finfo(cfg.dtype).eps
+    if op == "sum":
+        tol = abs_sum.mul_(n * eps).add_(acc.abs(), alpha=eps)
+    elif op == "avg":
+        acc /= n
+        tol = abs_sum.mul_(eps).add_(acc.abs(), alpha=eps)
+    elif op == "prod":
+        tol = acc.abs().mul_(n * eps)
+    else:
+        tol = None
+    return Reference(acc, tol)
+
+
+def count_wrong(outputs: list[torch.Tensor], ref: Reference) -> int:
+    """Elements, over all ranks, outside the reference's tolerance (NaN counts as wrong)."""
+    wrong = 0
+    for out in outputs:
+        if ref.value.dtype == torch.float64:
+            diff = out.to(ref.value.device, torch.float64, copy=True).sub_(ref.value).abs_()
+            bad = diff.ne(0) if ref.tol is None else diff.le(ref.tol).logical_not_()
+            bad |= diff.isnan()
+            del diff
+        else:
+            bad = out.to(ref.value.device).ne(ref.value)
+        wrong += int(bad.sum().item())
+    return wrong
+
+
+# ---------------------------------------------------------------------------------------------
+# Implementations.
+
+def run_ringreduce(tensors: list[torch.Tensor], op: str) -> None:
+    import ringreduce
+    ringreduce.all_reduce(tensors, op=op)
+
+
+_STACK_REDUCE = {
+    "sum": lambda s: s.sum(0, dtype=s.dtype),
+    "avg": lambda s: s.mean(0),
+    "max": lambda s: s.amax(0),
+    "min": lambda s: s.amin(0),
+    "prod": lambda s: s.prod(0, dtype=s.dtype),
+}
+
+
+def run_stack_reference(tensors: list[torch.Tensor], op: str) -> None:
+    reduced = _STACK_REDUCE[op](torch.stack(tensors))
+    for t in tensors:
+        t.copy_(reduced)
+
+
+class TorchNccl:
+    """torch.cuda.nccl.all_reduce: one tensor per GPU, each on its device's current stream."""
+
+    def __init__(self, op: str):
+        import torch.cuda.nccl as tnccl
+        self._nccl = tnccl
+        self._op = NCCL_OPS[op]
+
+    def __call__(self, tensors):
+        self._nccl.all_reduce(tensors, op=self._op)
+
+
+def load_libnccl():
+    """The NCCL library torch itself loaded (found in /proc/self/maps), else libnccl.so.2."""
+    import ctypes
+    candidates = []
+    try:
+        with open("/proc/self/maps") as f:
+            for line in f:
+                path = line.split()[-1]
+                if "libnccl.so" in os.path.basename(path) and path not in candidates:
+                    candidates.append(path)
+    except OSError:
+        pass
+    candidates += ["libnccl.so.2", "libnccl.so"]
+    errors = []
+    for c in candidates:
+        try:
+            lib = ctypes.CDLL(c)
+            lib.ncclGetVersion  # noqa: B018  (raises AttributeError when the symbol is absent)
+            return lib, c
+        except (OSError, AttributeError) as e:
+            errors.append(f"{c}: {e}")
+    raise RuntimeError("cannot load libnccl: " + "; ".join(errors))
+
+
+class LibNccl:
+    """NCCL called directly through ctypes, for ranks that share a GPU: one communicator per
+    rank from ncclCommInitAll with the device repeated, one all-reduce per rank in a group."""
+
+    def __init__(self, devices: list[int], dtype: torch.dtype, op: str):
+        import ctypes as C
+        self._C = C
+        lib, self.path = load_libnccl()
+        lib.ncclGetErrorString.restype = C.c_char_p
+        lib.ncclGetErrorString.argtypes = [C.c_int]
+        self._last_error = getattr(lib, "ncclGetLastError", None)
+        if self._last_error is not None:
+            self._last_error.restype = C.c_char_p
+            self._last_error.argtypes = [C.c_void_p]
+        lib.ncclGetVersion.argtypes = [C.POINTER(C.c_int)]
+        lib.ncclCommInitAll.argtypes = [C.POINTER(C.c_void_p), C.c_int, C.POINTER(C.c_int)]
+        lib.ncclAllReduce.argtypes = [C.c_void_p, C.c_void_p, C.c_size_t, C.c_int, C.c_int,
+                                      C.c_void_p, C.c_void_p]
+        lib.ncclCommDestroy.argtypes = [C.c_void_p]
+        for f in (lib.ncclGetVersion, lib.ncclCommInitAll, lib.ncclAllReduce,
+                  lib.ncclCommDestroy, lib.ncclGroupStart, lib.ncclGroupEnd):
+            f.restype = C.c_int
+        self._lib = lib
+        v = C.c_int(0)
+        self._check(lib.ncclGetVersion(C.byref(v)), "ncclGetVersion")
+        code = v.value  # 2.9+: major*10000 + minor*100 + patch
+        self.version = (code // 10000, code // 100 % 100, code % 100)
+        self.devices = list(devices)
+        self._dtype = NCCL_TYPES[dtype]
+        self._op = NCCL_OPS[op]
+        n = len(self.devices)
+        self._comms = (C.c_void_p * n)()
+        self._check(lib.ncclCommInitAll(self._comms, n, (C.c_int * n)(*self.devices)),
+                    f"ncclCommInitAll(ndev={n}, devlist={self.devices})")
+        # Ranks wait for each other inside NCCL's kernels, so ranks that share a GPU must not
+        # be queued one behind another on one stream: each gets its own stream, forked from
+        # and joined back to the device's current stream (which the caller times and orders by).
+        self._streams = [torch.cuda.Stream(device=d) for d in self.devices]
+
+    def _check(self, result: int, what: str) -> None:
+        if result != 0:
+            msg = self._lib.ncclGetErrorString(result).decode(errors="replace")
+            last = self._last_error(None) if self._last_error is not None else None
+            detail = f" ({last.decode(errors='replace')})" if last else ""
+            raise RuntimeError(f"{what} failed: NCCL error {result}: {msg}{detail}")
+
+    def __call__(self, tensors):
+        C = self._C
+        for d, s in zip(self.devices, self._streams):
+            s.wait_stream(torch.cuda.current_stream(d))
+        self._check(self._lib.ncclGroupStart(), "ncclGroupStart")
+        first_error = None
+        for r, t in enumerate(tensors):
+            ptr = C.c_void_p(t.data_ptr())
+            res = self._lib.ncclAllReduce(ptr, ptr, C.c_size_t(t.numel()), self._dtype, self._op,
+                                          self._comms[r], C.c_void_p(self._streams[r].cuda_stream))
+            if res != 0:
+                first_error = (res, f"ncclAllReduce(rank {r})")
+                break
+        end = self._lib.ncclGroupEnd()
+        if first_error is not None:
+            self._check(*first_error)
+        self._check(end, "ncclGroupEnd")
+        for d, s in zip(self.devices, self._streams):
+            torch.cuda.current_stream(d).wait_stream(s)
+
+    def close(self):
+        for d in set(self.devices):
+            torch.cuda.synchronize(d)
+        for comm in self._comms:
+            self._lib.ncclCommDestroy(comm)
+
+
+def torch_nccl_accepts(cfg: Config) -> bool:
+    """torch.cuda.nccl.is_available() for tensors laid out like this run's ranks. False when
+    ranks share a GPU: torch's NCCL binding takes one tensor per device."""
+    import torch.cuda.nccl as tnccl
+    return tnccl.is_available([torch.empty(1, device=d) for d in cfg.rank_devices])
+
+
+def nccl_version_tuple():
+    import torch.cuda.nccl as tnccl
+    return tuple(tnccl.version()[:3])
+
+
+def _probe_nccl_in_child(cfg: Config) -> str | None:
+    """Run NCCL once, small, in a child process (same dtype, op and rank layout): a crash or a
+    hang there must not take the benchmark down. None when it worked, else why not."""
+    cmd = [sys.executable, str(Path(__file__).resolve()), NCCL_PROBE_FLAG, "--device", "cuda",
+           "--ranks", str(cfg.ranks), "--dtype", cfg.dtype_name, "--op", cfg.op]
+    try:
+        res = subprocess.run(cmd, capture_output=True, text=True, timeout=NCCL_PROBE_TIMEOUT_S,
+                             env=dict(os.environ))
+    except subprocess.TimeoutExpired:
+        return f"a trial all-reduce hung (no result after {NCCL_PROBE_TIMEOUT_S} s)"
+    if res.returncode == 0 and "NCCL_PROBE_OK" in res.stdout:
+        return None
+    lines = [ln.strip() for ln in (res.stderr + "\n" + res.stdout).splitlines() if ln.strip()]
+    last = lines[-1] if lines else "no output"
+    if res.returncode < 0:
+        return f"a trial all-reduce died with signal {-res.returncode}: {last}"
+    return f"a trial all-reduce failed: {last}"
+
+
+def nccl_probe_main(cfg: Config) -> int:
+    """Child side of _probe_nccl_in_child."""
+    impl = LibNccl([d.index for d in cfg.rank_devices], cfg.dtype, cfg.op)
+    count = 4099
+    inputs = make_inputs(cfg, count, seed=12345)
+    ref = make_reference(cfg, inputs)
+    impl(inputs)
+    for d in cfg.cuda_indices:
+        torch.cuda.synchronize(d)
+    wrong = count_wrong(inputs, ref)
+    impl.close()
+    if wrong:
+        print(f"NCCL gave {wrong} wrong elements of {count * cfg.ranks} in a trial all-reduce",
+              file=sys.stderr)
+        return 1
+    print("NCCL_PROBE_OK")
+    return 0
+
+
+def setup_nccl(cfg: Config) -> tuple[Impl | None, Unavailable | None, dict]:
+    """The NCCL implementation for this run, or why there is none; plus what the header and
+    JSON should say about NCCL."""
+    info: dict = {"route": None, "version": None}
+
+    def no(short, detail):
+        info["reason"] = detail
+        return None, Unavailable("nccl", "not run: " + short, "not run: " + detail), info
+
+    if cfg.device != "cuda":
+        return no("CPU run", "CPU run; NCCL needs CUDA")
+    if not hasattr(torch._C, "_nccl_all_reduce"):
+        return no("no NCCL in torch", f"torch {torch.__version__} was built without NCCL")
+    devices = [d.index for d in cfg.rank_devices]
+    shared = len(set(devices)) < len(devices)
+    if shared:
+        # NCCL reads its environment when first used; set before any call into it.
+        os.environ.setdefault("NCCL_MULTI_RANK_GPU_ENABLE", "1")
+        info["NCCL_MULTI_RANK_GPU_ENABLE"] = os.environ["NCCL_MULTI_RANK_GPU_ENABLE"]
+    try:
+        version = nccl_version_tuple()
+    except Exception as e:  # noqa: BLE001  (any failure here is a reason to print, not a crash)
+        return no("no NCCL version", f"torch.cuda.nccl.version() failed: {e}")
+    vtext = ".".join(map(str, version))
+    info["version"] = vtext
+    if torch_nccl_accepts(cfg):
+        info["route"] = "torch.cuda.nccl.all_reduce"
+        return (Impl("nccl", f"torch.cuda.nccl.all_reduce, NCCL {vtext}", TorchNccl(cfg.op)),
+                None, info)
+    if not shared:
+        return no("torch.cuda.nccl refuses",
+                  "torch.cuda.nccl.is_available() is False for these tensors")
+
+    info["route"] = "libnccl via ctypes (ncclCommInitAll with the GPU repeated)"
+    why_torch = ("torch.cuda.nccl takes one tensor per GPU (is_available() is False here; "
+                 "all_reduce raises \"inputs must be on unique devices\")")
+    if version < NCCL_MULTI_RANK_MIN:
+        return no(f"NCCL {vtext} < 2.30",
+                  f"NCCL {vtext} is older than 2.30 and refuses several ranks on one GPU "
+                  f"(\"Duplicate GPU detected\"); {why_torch}")
+    reason = _probe_nccl_in_child(cfg)
+    if reason is not None:
+        return no("NCCL failed (see header)", f"NCCL {vtext} with "
+                  f"NCCL_MULTI_RANK_GPU_ENABLE={info['NCCL_MULTI_RANK_GPU_ENABLE']}: {reason}")
+    try:
+        lib = LibNccl(devices, cfg.dtype, cfg.op)
+    except Exception as e:  # noqa: BLE001
+        return no("NCCL init failed (see header)", f"NCCL {vtext}: {e}")
+    info["library"] = lib.path
+    describe = (f"{lib.path} {'.'.join(map(str, lib.version))} called directly, "
+                f"ncclCommInitAll(devlist={devices}), NCCL_MULTI_RANK_GPU_ENABLE="
+                f"{info['NCCL_MULTI_RANK_GPU_ENABLE']}, one stream per rank; {why_torch}")
+    return Impl("nccl", describe, lib, close=lib.close), None, info
+
+
+# ---------------------------------------------------------------------------------------------
+# The sweep.
+
+def _sync(cfg: Config) -> None:
+    for d in cfg.cuda_indices:
+        torch.cuda.synchronize(d)
+
+
+def _cache_bytes(cfg: Config) -> int:
+    if cfg.device == "cuda":
+        return max(common.cuda_l2_bytes(d) for d in cfg.cuda_indices)
+    return common.cpu_cache_bytes()
+
+
+def _max_ranks_per_device(cfg: Config) -> int:
+    return max(sum(1 for d in cfg.rank_devices if d == dev) for dev in set(cfg.rank_devices))
+
+
+def measure_size(cfg: Config, impls: list[Impl], size: int, cache_bytes: int,
+                 copy_bw: float | None, outcome: Outcome, log) -> dict:
+    """Check and time every implementation at one size; the row for table, JSON and CSV."""
+    count = size // cfg.elem_size
+    inputs = make_inputs(cfg, count, seed=cfg.seed * 7919 + size)
+    ref = make_reference(cfg, inputs)
+    nsets = common.rotation_sets(size * _max_ranks_per_device(cfg), cache_bytes,
+                                 max_sets=min(64, cfg.iters + cfg.warmup))
+    sets = [[x.clone() for x in inputs] for _ in range(nsets)]
+    row = {"size": size, "count": count, "type": cfg.dtype_name, "redop": cfg.op,
+           "buffer_sets": nsets, "results": {}}
+    timing_devices = cfg.cuda_indices if cfg.device == "cuda" else None
+
+    for impl in list(impls):
+        try:
+            for dst, src in zip(sets[0], inputs):
+                dst.copy_(src)
+            impl.run(sets[0])
+            _sync(cfg)
+            wrong = count_wrong(sets[0], ref)
+            times = common.time_iterations(lambda i: impl.run(sets[i % nsets]),
+                                           cfg.iters, cfg.warmup, timing_devices)
+        except Exception as e:  # noqa: BLE001  (reported in the row; the sweep goes on)
+            msg = f"{type(e).__name__}: {e}".strip()
+            row["results"][impl.name] = {"error": msg}
+            log(f"# {impl.name} failed at size {size}: {msg}")
+            if impl.name == "nccl":
+                log("#   nccl: further sizes skipped")
+                impls.remove(impl)
+            else:
+                outcome.ok = False
+                outcome.failures.append(f"{impl.name} at {size} B: {msg}")
+            continue
+        t = common.median(times)
+        alg, bus = common.bandwidths(size, t, cfg.bus_factor)
+        row["results"][impl.name] = {"time_us": t * 1e6, "algbw_gbps": alg, "busbw_gbps": bus,
+                                     "wrong": wrong}
+        if wrong:
+            outcome.ok = False
+            outcome.failures.append(f"{impl.name} at {size} B: {wrong} wrong elements")
+
+    if copy_bw is not None:
+        ideal = 5 * size * (cfg.ranks - 1) / copy_bw
+        alg, bus = common.bandwidths(size, ideal, cfg.bus_factor)
+        ring = row["results"].get("ringreduce", {})
+        pct = ideal / (ring["time_us"] * 1e-6) * 100 if "time_us" in ring else None
+        row["roofline"] = {"ideal_us": ideal * 1e6, "algbw_gbps": alg, "busbw_gbps": bus,
+                           "ringreduce_pct_of_ideal": pct}
+    return row
+
+
+def table_cells(row: dict, impl_names: list[str], unavailable: dict[str, Unavailable],
+                roofline: bool) -> tuple[list, list]:
+    keys = [row["size"], row["count"], row["type"], row["redop"]]
+    groups = []
+    for name in impl_names:
+        if name in unavailable:
+            groups.append(unavailable[name].short)
+            continue
+        r = row["results"].get(name)
+        if r is None:
+            groups.append("skipped after an error")
+        elif "error" in r:
+            groups.append("error: " + r["error"])
+        else:
+            groups.append([r["time_us"], r["algbw_gbps"], r["busbw_gbps"], r["wrong"]])
+    if roofline:
+        rl = row["roofline"]
+        groups.append([rl["ideal_us"], rl["ringreduce_pct_of_ideal"]])
+    return keys, groups
+
+
+def csv_fields(impl_names: list[str], roofline: bool) -> list[str]:
+    fields = ["size", "count", "type", "redop", "ranks"]
+    for name in impl_names:
+        fields += [f"{name}_time_us", f"{name}_algbw_gbps", f"{name}_busbw_gbps",
+                   f"{name}_wrong", f"{name}_error"]
+    if roofline:
+        fields += ["ideal_time_us", "ideal_busbw_gbps", "ringreduce_pct_of_ideal"]
+    return fields
+
+
+def csv_row(row: dict, cfg: Config, impl_names: list[str],
+            unavailable: dict[str, Unavailable]) -> dict:
+    out = {k: row[k] for k in ("size", "count", "type", "redop")}
+    out["ranks"] = cfg.ranks
+    for name in impl_names:
+        r = row["results"].get(name, {})
+        for key in ("time_us", "algbw_gbps", "busbw_gbps", "wrong", "error"):
+            out[f"{name}_{key}"] = r.get(key)
+        if name in unavailable:
+            out[f"{name}_error"] = unavailable[name].detail
+    if "roofline" in row:
+        rl = row["roofline"]
+        out.update(ideal_time_us=rl["ideal_us"], ideal_busbw_gbps=rl["busbw_gbps"],
+                   ringreduce_pct_of_ideal=rl["ringreduce_pct_of_ideal"])
+    return out
+
+
+def write_plot(path: str, rows: list[dict], impl_names: list[str], title: str) -> None:
+    series = {name: [] for name in impl_names}
+    series["ideal (copy roofline)"] = []
+    for row in rows:
+        for name, r in row["results"].items():
+            if "time_us" in r:
+                series[name].append((row["size"], r["time_us"], r["busbw_gbps"]))
+        if "roofline" in row:
+            rl = row["roofline"]
+            series["ideal (copy roofline)"].append((row["size"], rl["ideal_us"],
+                                                    rl["busbw_gbps"]))
+    common.plot_sweep(path, series, title, dashed=["ideal (copy roofline)"])
+
+
+def describe_run(cfg: Config, argv) -> dict:
+    import ringreduce
+    desc = {"command": common.command_line(["bench/ring.py", *argv]),
+            "host": common.host_info(), "device": cfg.device, "layout": cfg.layout,
+            "ranks": cfg.ranks, "rank_devices": [str(d) for d in cfg.rank_devices],
+            "dtype": cfg.dtype_name, "op": cfg.op, "sizes": cfg.sizes, "iters": cfg.iters,
+            "warmup": cfg.warmup, "seed": cfg.seed, "timing": "median",
+            "ringreduce": ringreduce.build_info()}
+    if cfg.device == "cuda":
+        desc["cuda"] = common.cuda_info(cfg.cuda_indices)
+    return desc
+
+
+def header_lines(cfg: Config, desc: dict, impls: list[Impl], unavailable: dict,
+                 nccl: dict, copy_bw: float | None, cache_bytes: int) -> list[str]:
+    h = desc["host"]
+    bi = desc["ringreduce"]
+    lines = ["# bench/ring.py: all_reduce, ringreduce vs "
+             + ("NCCL" if cfg.device == "cuda" else "a torch reference") + " (nccl-tests columns)",
+             f"# date {h['date']}  host {h['host']}",
+             f"# command: {desc['command']}"]
+    if cfg.device == "cuda":
+        c = desc["cuda"]
+        names = ", ".join(f"cuda:{g['index']} {g['name']} ({g['memory_gib']} GiB, "
+                          f"{g['sms']} SMs, L2 {common.format_size(g['l2_bytes'])})"
+                          for g in c["gpus"])
+        lines.append(f"# device: {names}; driver {c['driver']}")
+        lines.append(f"# versions: torch {h['torch']}, CUDA {c['cuda_runtime']}, "
+                     f"NCCL {nccl.get('version') or 'n/a'}, ringreduce {bi.get('version')} "
+                     f"(CUDA build: {bi.get('cuda')}, arch {bi.get('arch_list')})")
+    else:
+        lines.append(f"# device: CPU, {h['cpu']}, {h['cpu_count']} cores, "
+                     f"torch threads {h['torch_threads']}")
+        lines.append(f"# versions: torch {h['torch']}, ringreduce {bi.get('version')} "
+                     f"(CUDA build: {bi.get('cuda')}), python {h['python']}")
+    lines.append(f"# ranks: {cfg.layout}")
+    lines.append(f"# {cfg.dtype_name} {cfg.op}, sizes {common.format_size(cfg.sizes[0])} .. "
+                 f"{common.format_size(cfg.sizes[-1])} per rank (doubling; rounded down to whole "
+                 "elements, at least one), "
+                 f"{cfg.iters} timed iterations (median) after {cfg.warmup} warm-up, "
+                 + ("CUDA events" if cfg.device == "cuda" else "perf_counter"))
+    lines.append(f"# buffers: in place; below 2 x cache ({common.format_size(cache_bytes)}) per "
+                 "device, timed calls rotate over several buffer sets (at most iters+warmup)")
+    if cfg.dtype.is_floating_point:
+        check = "float64 reference, " + TOLERANCE_TEXT[cfg.op]
+    else:
+        check = "exact int64 reference"
+    lines.append("# check: random inputs, restored before one checked call per implementation; "
+                 f"{check}; #wrong = wrong elements over all ranks")
+    lines.append("# implementations:")
+    for impl in impls:
+        lines.append(f"#   {impl.name}: {impl.describe}")
+    for u in unavailable.values():
+        lines.append(f"#   {u.name}: {u.detail}")
+    if copy_bw is not None:
+        lines.append(f"#   roofline: device-to-device copy bandwidth B = {copy_bw / 1e9:.1f} GB/s "
+                     "(read + write, copy_ of 1 GiB); ideal = 5*S*(N-1)/B; "
+                     "ring(%ideal) = ideal / ringreduce time")
+    return lines
+
+
+def main(argv=None, out=None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    out = out or sys.stdout
+
+    def log(line=""):
+        print(line, file=out, flush=True)
+
+    parser, args = parse_args(argv)
+    if args.plot:
+        try:
+            common.require_matplotlib()
+        except common.PlotUnavailable as e:
+            print(f"bench/ring.py: {e}", file=sys.stderr)
+            return 2
+    cfg = make_config(parser, args)
+    if args.nccl_probe:
+        return nccl_probe_main(cfg)
+    try:
+        import ringreduce
+        build = ringreduce.build_info()
+    except ImportError as e:
+        print(f"bench/ring.py: cannot import ringreduce ({e}); build it first: bash "
+              "scripts/setup.sh (or pip install --no-build-isolation --use-pep517 -e .)",
+              file=sys.stderr)
+        return 2
+    if cfg.device == "cuda" and not build.get("cuda"):
+        print("bench/ring.py: --device cuda needs a CUDA build of ringreduce, but "
+              f"build_info() says cuda={build.get('cuda')}", file=sys.stderr)
+        return 2
+
+    impls = [Impl("ringreduce", "ringreduce.all_reduce"
+                  + (" (CPU ring)" if cfg.device == "cpu" else ""),
+                  lambda ts: run_ringreduce(ts, cfg.op))]
+    unavailable: dict[str, Unavailable] = {}
+    nccl, why_not, nccl_info = setup_nccl(cfg)
+    if nccl is not None:
+        impls.append(nccl)
+    else:
+        unavailable["nccl"] = why_not
+    if cfg.device == "cpu":
+        impls.append(Impl("reference", "torch.stack + reduce + copy back into every rank",
+                          lambda ts: run_stack_reference(ts, cfg.op)))
+    # On CUDA a missing NCCL keeps its column, with the reason in it; on CPU it is only named
+    # in the header, as nobody expects NCCL there.
+    impl_names = [i.name for i in impls] + (list(unavailable) if cfg.device == "cuda" else [])
+
+    copy_bw = None
+    if cfg.one_gpu:
+        copy_bw = common.cuda_copy_bandwidth(cfg.cuda_indices[0])
+    cache_bytes = _cache_bytes(cfg)
+    desc = describe_run(cfg, argv)
+    desc["nccl"] = nccl_info
+    desc["implementations"] = {i.name: i.describe for i in impls}
+    desc["unavailable"] = {u.name: u.detail for u in unavailable.values()}
+    desc["cache_bytes"] = cache_bytes
+    desc["copy_bandwidth_gbps"] = None if copy_bw is None else copy_bw / 1e9
+
+    groups = [(name, IMPL_COLUMNS) for name in impl_names]
+    if copy_bw is not None:
+        groups.append(("roofline", ROOFLINE_COLUMNS))
+    table = common.Table(KEY_COLUMNS, groups)
+    for line in header_lines(cfg, desc, impls, unavailable, nccl_info, copy_bw, cache_bytes):
+        log(line)
+    log("#")
+    for line in table.header():
+        log(line)
+
+    outcome = Outcome()
+    rows = []
+    running = list(impls)
+    try:
+        for size in cfg.sizes:
+            row = measure_size(cfg, running, size, cache_bytes, copy_bw, outcome, log)
+            rows.append(row)
+            keys, cells = table_cells(row, impl_names, unavailable, copy_bw is not None)
+            log(table.row(keys, cells))
+    finally:
+        for impl in impls:
+            if impl.close is not None:
+                impl.close()
+
+    total_wrong = sum(r.get("wrong", 0) for row in rows for r in row["results"].values())
+    log(f"# Out of bounds values : {total_wrong} {'OK' if outcome.ok else 'FAILED'}")
+    for name in impl_names:
+        bws = [row["results"][name]["busbw_gbps"] for row in rows
+               if "busbw_gbps" in row["results"].get(name, {})]
+        if bws:
+            log(f"# Avg bus bandwidth    : {sum(bws) / len(bws):.3f} GB/s ({name})")
+    for f in outcome.failures:
+        log(f"# FAILED: {f}")
+
+    result = {"config": desc, "rows": rows, "ok": outcome.ok, "failures": outcome.failures}
+    if args.json:
+        common.write_json(args.json, result)
+    if args.csv:
+        common.write_csv(args.csv, csv_fields(impl_names, copy_bw is not None),
+                         (csv_row(row, cfg, impl_names, unavailable) for row in rows))
+    if args.plot:
+        machine = desc["cuda"]["gpus"][0]["name"] if cfg.device == "cuda" else desc["host"]["cpu"]
+        title = f"all_reduce {cfg.dtype_name} {cfg.op}, {cfg.layout}; {machine}"
+        write_plot(args.plot, rows, impl_names, title)
+    return 0 if outcome.ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,338 @@
+"""bench/ring.py, the bandwidth benchmark: its whole code path on CPU with tiny sizes (table
+columns, #wrong, JSON and CSV content, exit codes, plot), its NCCL decisions without a GPU, and
+a short CUDA run where a GPU exists. Speed itself is never asserted here."""
+import csv
+import importlib.util
+import io
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import ringreduce
+
+ROOT = Path(__file__).resolve().parents[1]
+BENCH = ROOT / "bench" / "ring.py"
+
+
+def _load_bench():
+    spec = importlib.util.spec_from_file_location("bench_ring", BENCH)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up while it executes
+    spec.loader.exec_module(module)
+    return module
+
+
+ring = _load_bench()
+common = ring.common
+
+TINY = ["--device", "cpu", "--iters", "2", "--warmup", "1"]
+HAS_MATPLOTLIB = importlib.util.find_spec("matplotlib") is not None
+
+
+def run_main(args):
+    out = io.StringIO()
+    rc = ring.main(args, out=out)
+    return rc, out.getvalue()
+
+
+def data_rows(text):
+    return [ln for ln in text.splitlines() if ln.strip() and not ln.startswith("#")]
+
+
+def assert_bandwidth_arithmetic(size, result, nranks):
+    t = result["time_us"] * 1e-6
+    assert t > 0
+    assert math.isclose(result["algbw_gbps"], size / t / 1e9, rel_tol=1e-9)
+    assert math.isclose(result["busbw_gbps"], result["algbw_gbps"] * 2 * (nranks - 1) / nranks,
+                        rel_tol=1e-9)
+
+
+def test_cli_cpu_sweep_table_json_csv(tmp_path):
+    """The script as a user runs it: sizes rounded to whole elements, nccl-tests columns that
+    line up, #wrong 0, and JSON and CSV that agree with the table and with size / time."""
+    jpath, cpath = tmp_path / "r.json", tmp_path / "r.csv"
+    res = subprocess.run(
+        [sys.executable, str(BENCH), *TINY, "--ranks", "3", "--min-bytes", "1",
+         "--max-bytes", "4K", "--json", str(jpath), "--csv", str(cpath)],
+        capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert res.returncode == 0, res.stdout + res.stderr
+    text = res.stdout
+    sizes = [4 << k for k in range(11)]  # 1 and 2 B round up to one float32; 4 B is kept once
+
+    names = next(ln for ln in text.splitlines() if ln.split()[:2] == ["#", "size"])
+    assert names.split()[1:] == (["size", "count", "type", "redop"]
+                                 + ["time", "algbw", "busbw", "#wrong"] * 2)
+    titles = next(ln for ln in text.splitlines()
+                  if ln.startswith("#") and "ringreduce" in ln and "reference" in ln
+                  and "time" not in ln)
+    assert titles.index("ringreduce") < titles.index("reference")
+    rows = data_rows(text)
+    assert len(rows) == len(sizes)
+
+    def right_edges(line):
+        edges, i = [], 0
+        for tok in line.split():
+            i = line.index(tok, i) + len(tok)
+            edges.append(i)
+        return edges
+
+    name_edges = right_edges(names)[1:]
+    for row, size in zip(rows, sizes):
+        f = row.split()
+        assert right_edges(row) == name_edges, (names, row)
+        assert (int(f[0]), int(f[1]), f[2], f[3]) == (size, size // 4, "float32", "sum")
+        assert f[7] == "0" and f[11] == "0"
+    assert "Out of bounds values : 0 OK" in text
+    assert "nccl: not run: CPU run" in text
+
+    data = json.loads(jpath.read_text())
+    cfg = data["config"]
+    assert data["ok"] is True and data["failures"] == []
+    assert (cfg["device"], cfg["ranks"], cfg["dtype"], cfg["op"]) == ("cpu", 3, "float32", "sum")
+    assert cfg["sizes"] == sizes
+    assert set(cfg["implementations"]) == {"ringreduce", "reference"}
+    assert "CPU run" in cfg["unavailable"]["nccl"]
+    assert cfg["ringreduce"]["version"] == ringreduce.build_info()["version"]
+    assert [r["size"] for r in data["rows"]] == sizes
+    for jrow, trow in zip(data["rows"], rows):
+        f = trow.split()
+        assert jrow["count"] == jrow["size"] // 4
+        for k, name in enumerate(("ringreduce", "reference")):
+            r = jrow["results"][name]
+            assert r["wrong"] == 0
+            assert_bandwidth_arithmetic(jrow["size"], r, 3)
+            assert float(f[4 + 4 * k]) == pytest.approx(r["time_us"], abs=0.0051)
+
+    with open(cpath, newline="") as fh:
+        crows = list(csv.DictReader(fh))
+    assert [int(r["size"]) for r in crows] == sizes
+    for crow, jrow in zip(crows, data["rows"]):
+        for name in ("ringreduce", "reference"):
+            assert int(crow[f"{name}_wrong"]) == 0
+            assert crow[f"{name}_error"] == ""
+            r = {k: float(crow[f"{name}_{k}"]) for k in ("time_us", "algbw_gbps", "busbw_gbps")}
+            assert r["time_us"] == pytest.approx(jrow["results"][name]["time_us"])
+            assert_bandwidth_arithmetic(int(crow["size"]), r, int(crow["ranks"]))
+
+
+@pytest.mark.parametrize("dtype,op,nranks", [
+    ("float16", "sum", 4), ("bfloat16", "avg", 5), ("float64", "min", 4), ("float32", "prod", 6),
+    ("int8", "prod", 3), ("uint8", "max", 2), ("int64", "sum", 7), ("int32", "sum", 4),
+])
+def test_dtypes_and_ops_check_clean(tmp_path, dtype, op, nranks):
+    """The reference and its tolerance accept the real ringreduce (and the torch reference)
+    for every kind of element and operator, at odd sizes and rank counts."""
+    jpath = tmp_path / "r.json"
+    rc, text = run_main([*TINY, "--dtype", dtype, "--op", op, "--ranks", str(nranks),
+                         "--min-bytes", "3", "--max-bytes", "3K", "--json", str(jpath)])
+    data = json.loads(jpath.read_text())
+    assert rc == 0, text
+    assert data["rows"]
+    for row in data["rows"]:
+        assert row["type"] == dtype and row["redop"] == op
+        for name in ("ringreduce", "reference"):
+            assert row["results"][name]["wrong"] == 0
+
+
+@pytest.mark.parametrize("dtype,op", [("float32", "sum"), ("bfloat16", "avg"), ("int32", "max")])
+def test_one_wrong_element_fails_the_run(tmp_path, monkeypatch, dtype, op):
+    """Corrupt one element of one rank after the real ringreduce call: every size reports
+    exactly one wrong element, the reference none, and the exit status is 1."""
+    real = ring.run_ringreduce
+
+    def corrupting(tensors, op_name):
+        real(tensors, op_name)
+        flat = tensors[-1].view(-1)
+        flat[flat.numel() // 2] += 1
+
+    monkeypatch.setattr(ring, "run_ringreduce", corrupting)
+    jpath, cpath = tmp_path / "r.json", tmp_path / "r.csv"
+    rc, text = run_main([*TINY, "--dtype", dtype, "--op", op, "--max-bytes", "1K",
+                         "--json", str(jpath), "--csv", str(cpath)])
+    assert rc == 1
+    assert "FAILED" in text
+    data = json.loads(jpath.read_text())
+    assert data["ok"] is False
+    assert len(data["failures"]) == len(data["rows"])
+    for row in data["rows"]:
+        assert row["results"]["ringreduce"]["wrong"] == 1
+        assert row["results"]["reference"]["wrong"] == 0
+    with open(cpath, newline="") as fh:
+        assert all(r["ringreduce_wrong"] == "1" for r in csv.DictReader(fh))
+
+
+def test_failing_call_fails_the_run(tmp_path, monkeypatch):
+    def broken(tensors, op_name):
+        raise RuntimeError("ring broke")
+
+    monkeypatch.setattr(ring, "run_ringreduce", broken)
+    jpath = tmp_path / "r.json"
+    rc, text = run_main([*TINY, "--max-bytes", "64", "--json", str(jpath)])
+    assert rc == 1
+    rows = data_rows(text)
+    assert rows and all("error: RuntimeError: ring broke" in r for r in rows)
+    data = json.loads(jpath.read_text())
+    assert all(r["results"]["ringreduce"] == {"error": "RuntimeError: ring broke"}
+               for r in data["rows"])
+    assert all(r["results"]["reference"]["wrong"] == 0 for r in data["rows"])
+
+
+def test_tolerance_catches_a_missing_rank():
+    """The float tolerance is far below one rank's contribution, even in bfloat16 with 8 ranks;
+    and the real ringreduce sits well inside it."""
+    parser, args = ring.parse_args(["--device", "cpu", "--dtype", "bfloat16", "--ranks", "8"])
+    cfg = ring.make_config(parser, args)
+    inputs = ring.make_inputs(cfg, 4099, seed=1)
+    ref = ring.make_reference(cfg, inputs)
+    good = [x.clone() for x in inputs]
+    ringreduce.all_reduce(good, "sum")
+    assert ring.count_wrong(good, ref) == 0
+    err = max(((g.double() - ref.value).abs() / ref.tol).max().item() for g in good)
+    assert err < 0.5
+    missing = [x.clone() for x in inputs[:-1]]
+    ringreduce.all_reduce(missing, "sum")
+    assert ring.count_wrong(missing, ref) > 0.5 * 7 * 4099
+
+
+def test_reference_does_not_alias_its_inputs():
+    """float64 and int64 inputs are already the wide type: the reference must still copy."""
+    for dtype in ("float64", "int64"):
+        parser, args = ring.parse_args(["--device", "cpu", "--dtype", dtype, "--ranks", "3"])
+        cfg = ring.make_config(parser, args)
+        inputs = ring.make_inputs(cfg, 100, seed=2)
+        before = [x.clone() for x in inputs]
+        ref = ring.make_reference(cfg, inputs)
+        assert all(torch.equal(a, b) for a, b in zip(inputs, before))
+        ring.count_wrong(inputs, ref)
+        assert all(torch.equal(a, b) for a, b in zip(inputs, before))
+        assert all(x.abs().sum() > 0 for x in inputs)
+
+
+def test_cpu_run_never_touches_cuda(monkeypatch):
+    def forbidden(*args, **kwargs):
+        raise AssertionError("a --device cpu run called into torch.cuda")
+
+    for name in ("is_available", "device_count", "synchronize", "current_stream", "Event",
+                 "Stream", "get_device_properties", "device"):
+        monkeypatch.setattr(torch.cuda, name, forbidden)
+    rc, text = run_main([*TINY, "--max-bytes", "256"])
+    assert rc == 0, text
+
+
+def test_sizes_and_bad_arguments(capsys):
+    assert [common.parse_size(s) for s in ("8", "64K", "64KiB", "1m", "1G", "2kb")] == [
+        8, 64 << 10, 64 << 10, 1 << 20, 1 << 30, 2 << 10]
+    assert common.doubling_sizes(1, 16, 4) == [4, 8, 16]
+    assert common.doubling_sizes(3, 100, 8) == [8, 24, 48, 96]
+    assert common.doubling_sizes(8, 8, 2) == [8]
+    for bad in (["--ranks", "1"], ["--op", "avg", "--dtype", "int32"], ["--min-bytes", "0"],
+                ["--min-bytes", "1K", "--max-bytes", "512"], ["--min-bytes", "1X"],
+                ["--iters", "0"]):
+        with pytest.raises(SystemExit) as e:
+            run_main(["--device", "cpu", *bad])
+        assert e.value.code == 2
+        assert "error:" in capsys.readouterr().err
+
+
+def test_rotation_sets():
+    assert common.rotation_sets(set_bytes=1 << 30, cache_bytes=50 << 20, max_sets=25) == 1
+    assert common.rotation_sets(set_bytes=10 << 20, cache_bytes=50 << 20, max_sets=25) == 10
+    assert common.rotation_sets(set_bytes=32, cache_bytes=50 << 20, max_sets=25) == 25
+
+
+def test_plot_without_matplotlib_says_so_before_running(tmp_path, monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    jpath = tmp_path / "r.json"
+    rc, text = run_main([*TINY, "--max-bytes", "64", "--plot", str(tmp_path / "p.png"),
+                         "--json", str(jpath)])
+    assert rc == 2
+    err = capsys.readouterr().err
+    assert "--plot needs matplotlib" in err and "pip install matplotlib" in err
+    assert not jpath.exists() and text == ""
+
+
+@pytest.mark.skipif(not HAS_MATPLOTLIB, reason="matplotlib is not installed")
+def test_plot_writes_png(tmp_path):
+    ppath = tmp_path / "p.png"
+    rc, _ = run_main([*TINY, "--max-bytes", "1K", "--plot", str(ppath)])
+    assert rc == 0
+    assert ppath.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def _shared_gpu_config():
+    return ring.Config(device="cuda", rank_devices=[torch.device("cuda", 0)] * 4,
+                       dtype_name="float32", op="sum", sizes=[8], iters=1, warmup=0, seed=0,
+                       layout="4 simulated ranks on one GPU")
+
+
+@pytest.fixture
+def fake_nccl_torch(monkeypatch):
+    """Pretend torch has NCCL, so setup_nccl's decisions can be checked without a GPU."""
+    monkeypatch.setattr(torch._C, "_nccl_all_reduce", object(), raising=False)
+    monkeypatch.setattr(ring, "torch_nccl_accepts", lambda cfg: False)
+    monkeypatch.delenv("NCCL_MULTI_RANK_GPU_ENABLE", raising=False)
+
+
+def test_old_nccl_on_one_gpu_is_named_in_its_column(monkeypatch, fake_nccl_torch):
+    monkeypatch.setattr(ring, "nccl_version_tuple", lambda: (2, 27, 3))
+    impl, why, info = ring.setup_nccl(_shared_gpu_config())
+    assert impl is None
+    assert "2.27.3" in why.short and "Duplicate GPU detected" in why.detail
+    assert os.environ["NCCL_MULTI_RANK_GPU_ENABLE"] == "1"
+    assert info["version"] == "2.27.3"
+    table = common.Table(ring.KEY_COLUMNS, [("ringreduce", ring.IMPL_COLUMNS),
+                                            ("nccl", ring.IMPL_COLUMNS)])
+    row = {"size": 8, "count": 2, "type": "float32", "redop": "sum",
+           "results": {"ringreduce": {"time_us": 5.0, "algbw_gbps": 1.6e-3,
+                                      "busbw_gbps": 2.4e-3, "wrong": 0}}}
+    keys, cells = ring.table_cells(row, ["ringreduce", "nccl"], {"nccl": why}, roofline=False)
+    line = table.row(keys, cells)
+    assert line.rstrip().endswith(why.short)
+    assert len(line) == len(table.header()[1])
+
+
+def test_nccl_that_fails_its_trial_is_not_used(monkeypatch, fake_nccl_torch):
+    monkeypatch.setattr(ring, "nccl_version_tuple", lambda: (2, 30, 1))
+    monkeypatch.setattr(ring, "_probe_nccl_in_child", lambda cfg: "a trial all-reduce hung")
+    impl, why, info = ring.setup_nccl(_shared_gpu_config())
+    assert impl is None
+    assert "hung" in why.detail and "NCCL_MULTI_RANK_GPU_ENABLE=1" in why.detail
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the probe's failure report")
+def test_nccl_probe_child_reports_why():
+    """The trial runs in a child process; whatever stops it comes back as a reason."""
+    reason = ring._probe_nccl_in_child(_shared_gpu_config())
+    assert reason is not None and "no CUDA device" in reason
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device visible to torch")
+@pytest.mark.skipif(not ringreduce.build_info()["cuda"], reason="ringreduce was built CPU-only")
+def test_cuda_simulated_ranks_tiny(tmp_path):
+    """On one GPU (CUDA_VISIBLE_DEVICES=0): 4 simulated ranks, #wrong 0, the roofline present,
+    and NCCL either measured and right or unavailable with a reason."""
+    jpath = tmp_path / "r.json"
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES=os.environ.get("CUDA_VISIBLE_DEVICES", "0")
+               .split(",")[0])
+    res = subprocess.run(
+        [sys.executable, str(BENCH), "--device", "cuda", "--min-bytes", "8", "--max-bytes",
+         "256K", "--iters", "3", "--warmup", "1", "--json", str(jpath)],
+        capture_output=True, text=True, timeout=400, cwd=ROOT, env=env)
+    assert res.returncode == 0, res.stdout + res.stderr
+    data = json.loads(jpath.read_text())
+    cfg = data["config"]
+    assert cfg["ranks"] == 4 and cfg["copy_bandwidth_gbps"] > 0
+    nccl_ok = "nccl" in cfg["implementations"]
+    assert nccl_ok or cfg["unavailable"]["nccl"]
+    for row in data["rows"]:
+        assert row["results"]["ringreduce"]["wrong"] == 0
+        assert_bandwidth_arithmetic(row["size"], row["results"]["ringreduce"], 4)
+        assert row["roofline"]["ringreduce_pct_of_ideal"] > 0
+        if nccl_ok:
+            assert row["results"]["nccl"]["wrong"] == 0

@@ -1,0 +1,329 @@
+"""ResNet-18 gradient all-reduce benchmark: ringreduce vs NCCL vs naive, on real gradients.
+
+    python bench/resnet18.py                                   # CUDA if available, else CPU
+    python bench/resnet18.py --device cpu --ranks 2 --iters 5 --steps 3 --json out.json
+    NCCL_MULTI_RANK_GPU_ENABLE=1 python bench/resnet18.py --device cuda:0 --ranks 4
+
+Part 1, the gradient exchange: every rank's gradients come from a real forward/backward of
+the trainer's ResNet-18 (62 tensors, 11,172,810 floats) on its own random minibatch. Each
+method all-reduces them per tensor (62 calls) and flattened into 25 MB buckets as DDP does;
+time per full exchange (median over --iters, after --warmup), algbw = bytes per rank / time,
+busbw = algbw * 2(N-1)/N (nccl-tests' definitions). Checked after the last iteration: every
+rank holds bitwise the same values, within the fp32 summation error bound
+(N-1) * 2^-24 * sum_r |g_r| of the float64 sum, and within twice that bound of the other
+methods' results; #wrong counts the elements that fail.
+
+Part 2, the training step: DataParallel steps (forward and backward on every replica, the
+bucketed exchange, SGD) with each method; median step time, median time in the exchange and
+its share of the step. Checked: replicas bitwise identical after the steps, and parameters
+close to the first method's. Exits 1 when anything is wrong.
+"""
+
+import argparse
+import copy
+import datetime
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+
+from ringreduce.dp import (DEFAULT_BUCKET_MB, METHODS, DataParallel, NcclUnavailable,
+                           bucket_indices, make_all_reduce, parse_devices)
+from ringreduce.models import resnet18
+
+FP32_UNIT_ROUNDOFF = 2.0 ** -24
+
+
+def parse_args(argv=None):
+    cuda = torch.cuda.is_available()
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--device", default=None,
+                   help="cpu, cuda, cuda:N or one device per rank, comma-separated "
+                        "(default: cuda if available, else cpu)")
+    p.add_argument("--ranks", type=int, default=None,
+                   help="default: one per GPU with --device cuda, else 2 (1 GPU: 2 on it)")
+    p.add_argument("--methods", default=",".join(METHODS),
+                   help="comma-separated subset of %(default)s")
+    p.add_argument("--bucket-mb", type=float, default=DEFAULT_BUCKET_MB)
+    p.add_argument("--iters", type=int, default=20 if cuda else 5)
+    p.add_argument("--warmup", type=int, default=5 if cuda else 1)
+    p.add_argument("--steps", type=int, default=20 if cuda else 3,
+                   help="timed training steps per method (0 skips part 2)")
+    p.add_argument("--step-warmup", type=int, default=3 if cuda else 1)
+    p.add_argument("--batch-size", type=int, default=256 if cuda else 32,
+                   help="global minibatch of a training step")
+    p.add_argument("--image-size", type=int, default=28 if cuda else 16,
+                   help="height and width of the 1-channel images (Fashion-MNIST: 28)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", default=None, metavar="PATH", help="write results and config here")
+    args = p.parse_args(argv)
+    args.methods = [m.strip() for m in args.methods.split(",") if m.strip()]
+    for m in args.methods:
+        if m not in METHODS:
+            p.error(f"--methods: {m!r} is not one of {', '.join(METHODS)}")
+    for name in ("iters", "batch_size", "image_size"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name.replace('_', '-')} must be >= 1")
+    if args.warmup < 0 or args.steps < 0 or args.step_warmup < 0:
+        p.error("--warmup, --steps and --step-warmup must be >= 0")
+    if args.ranks is None and (args.device is None and cuda or args.device == "cuda") \
+            and torch.cuda.device_count() == 1:
+        args.ranks = 2
+    return args
+
+
+class Stopwatch:
+    """Wall time on CPU; on CUDA, events on every rank device's current stream, the slowest
+    device's elapsed time counting."""
+
+    def __init__(self, devices):
+        self.devices = list(dict.fromkeys(devices))
+        self.cuda = self.devices[0].type == "cuda"
+
+    def _mark(self):
+        if not self.cuda:
+            return time.perf_counter()
+        marks = []
+        for d in self.devices:
+            e = torch.cuda.Event(enable_timing=True)
+            e.record(torch.cuda.current_stream(d))
+            marks.append(e)
+        return marks
+
+    def start(self):
+        self._start = self._mark()
+
+    def stop(self):
+        end = self._mark()
+        if not self.cuda:
+            return end - self._start
+        for e in end:
+            e.synchronize()
+        return max(s.elapsed_time(e) for s, e in zip(self._start, end)) / 1e3
+
+
+def synchronize(devices):
+    if devices[0].type == "cuda":
+        for d in dict.fromkeys(devices):
+            torch.cuda.synchronize(d)
+
+
+def rank_gradients(devices, batch, image, seed):
+    """Each rank's real ResNet-18 gradients: one forward/backward on its own random shard."""
+    torch.manual_seed(seed)
+    model = resnet18(1, 10)
+    grads = []
+    for r, d in enumerate(devices):
+        replica = copy.deepcopy(model).to(d)
+        g = torch.Generator().manual_seed(seed + 1 + r)
+        x = torch.randn(batch, 1, image, image, generator=g).to(d)
+        y = torch.randint(0, 10, (batch,), generator=g).to(d)
+        F.cross_entropy(replica(x), y).backward()
+        grads.append([p.grad.detach().clone() for p in replica.parameters()])
+    return grads
+
+
+def layouts(grads, bucket_mb):
+    """{layout: [per all-reduce call: one tensor per rank]}: per tensor, and DDP-style buckets."""
+    numels = [g.numel() for g in grads[0]]
+    flat = []
+    for bucket in bucket_indices(numels, grads[0][0].element_size(), bucket_mb):
+        flat.append([torch.cat([rank[i].reshape(-1) for i in bucket]) for rank in grads])
+    per_tensor = [[rank[i] for rank in grads] for i in range(len(numels))]
+    return {"per-tensor": per_tensor, f"{bucket_mb:g}MB-buckets": flat}
+
+
+def exchange_check(per_rank, reference, bound, others):
+    """Elements wrong after an exchange: ranks differing from rank 0, rank 0 outside the fp32
+    bound around the float64 sum, or more than twice the bound away from another method."""
+    got = per_rank[0]
+    wrong = sum(int((other != got).sum()) for other in per_rank[1:])
+    wrong += int(((got.double() - reference).abs() > bound).sum())
+    for prev in others:
+        wrong += int(((got.double() - prev.double()).abs() > 2 * bound).sum())
+    return wrong
+
+
+def in_parameter_order(calls, layout, like, bucket_mb):
+    """Every rank's exchanged gradients as one flat CPU tensor in parameter order (buckets
+    hold the parameters back to front)."""
+    n = len(calls[0])
+    if layout == "per-tensor":
+        return [torch.cat([c[r].reshape(-1).cpu() for c in calls]) for r in range(n)]
+    numels = [g.numel() for g in like]
+    order = [i for b in bucket_indices(numels, like[0].element_size(), bucket_mb) for i in b]
+    out = []
+    for r in range(n):
+        pieces = torch.cat([c[r].cpu() for c in calls]).split([numels[i] for i in order])
+        by_param = dict(zip(order, pieces))
+        out.append(torch.cat([by_param[i] for i in range(len(numels))]))
+    return out
+
+
+def bench_exchange(args, devices, methods):
+    n = len(devices)
+    grads = rank_gradients(devices, batch=8, image=args.image_size, seed=args.seed)
+    stacked = [torch.stack([rank[i].double().cpu() for rank in grads]) for i in range(len(grads[0]))]
+    reference = torch.cat([s.sum(0).reshape(-1) for s in stacked])
+    # |fl(sum) - sum| <= (N-1) u sum|x_r| for any summation order (plus a term in u^2, covered
+    # by the factor N instead of N-1), u = 2^-24.
+    bound = torch.cat([s.abs().sum(0).reshape(-1) for s in stacked]) * n * FP32_UNIT_ROUNDOFF
+    del stacked
+    nbytes = sum(g.numel() * g.element_size() for g in grads[0])
+    rows = []
+    for layout, pristine in layouts(grads, args.bucket_mb).items():
+        done = []  # earlier methods' results on this layout, for the cross-method check
+        for method, fn in methods.items():
+            calls = [[t.clone() for t in call] for call in pristine]
+            watch = Stopwatch(devices)
+            times = []
+            for it in range(args.warmup + args.iters):
+                for call, orig in zip(calls, pristine):
+                    for t, o in zip(call, orig):
+                        t.copy_(o)
+                synchronize(devices)
+                watch.start()
+                for call in calls:
+                    fn(call)
+                elapsed = watch.stop()
+                if it >= args.warmup:
+                    times.append(elapsed)
+            per_rank = in_parameter_order(calls, layout, grads[0], args.bucket_mb)
+            wrong = exchange_check(per_rank, reference, bound, done)
+            done.append(per_rank[0])
+            t = statistics.median(times)
+            algbw = nbytes / t / 1e9
+            rows.append({"method": method, "layout": layout, "calls": len(calls), "ranks": n,
+                         "bytes": nbytes, "time_ms": t * 1e3, "algbw_GBps": algbw,
+                         "busbw_GBps": algbw * 2 * (n - 1) / n, "wrong": wrong,
+                         "times_ms": [x * 1e3 for x in times]})
+            print_row(rows[-1])
+    return rows
+
+
+EXCHANGE_HEADER = (f"{'method':>7} {'layout':>14} {'calls':>5} {'size(MB)':>9} {'time(ms)':>9} "
+                   f"{'algbw(GB/s)':>11} {'busbw(GB/s)':>11} {'#wrong':>7}")
+
+
+def print_row(row):
+    print(f"{row['method']:>7} {row['layout']:>14} {row['calls']:>5} {row['bytes'] / 1e6:>9.2f} "
+          f"{row['time_ms']:>9.3f} {row['algbw_GBps']:>11.3f} {row['busbw_GBps']:>11.3f} "
+          f"{row['wrong']:>7}", flush=True)
+
+
+STEP_HEADER = (f"{'method':>7} {'step(ms)':>9} {'comm(ms)':>9} {'compute(ms)':>11} "
+               f"{'comm share':>10} {'#wrong':>7}")
+
+
+def bench_steps(args, devices, methods):
+    steps = args.step_warmup + args.steps
+    g = torch.Generator().manual_seed(args.seed)
+    batches = [(torch.randn(args.batch_size, 1, args.image_size, args.image_size, generator=g),
+                torch.randint(0, 10, (args.batch_size,), generator=g)) for _ in range(steps)]
+    rows, first_params = [], None
+    for method in methods:
+        torch.manual_seed(args.seed)
+        dp = DataParallel(resnet18(1, 10), devices, method, lr=0.01, bucket_mb=args.bucket_mb)
+        step_times = []
+        for i, (x, y) in enumerate(batches):
+            dp.time_comm = i >= args.step_warmup
+            synchronize(devices)
+            start = time.perf_counter()
+            dp.step(x, y)
+            dp.synchronize()
+            if dp.time_comm:
+                step_times.append(time.perf_counter() - start)
+        comm_times = dp.pop_comm_seconds()
+        wrong = 0
+        for m in dp.replicas[1:]:
+            wrong += sum(int((p != q).sum()) for p, q in
+                         zip(dp.replicas[0].parameters(), m.parameters()))
+        params = [p.detach().cpu() for p in dp.replicas[0].parameters()]
+        if first_params is None:
+            first_params = params
+        else:
+            wrong += sum(int((~torch.isclose(p, q, rtol=1e-3, atol=1e-5)).sum())
+                         for p, q in zip(params, first_params))
+        step, comm = statistics.median(step_times), statistics.median(comm_times)
+        rows.append({"method": method, "step_ms": step * 1e3, "comm_ms": comm * 1e3,
+                     "compute_ms": (step - comm) * 1e3, "comm_share": comm / step,
+                     "wrong": wrong, "step_times_ms": [t * 1e3 for t in step_times],
+                     "comm_times_ms": [t * 1e3 for t in comm_times]})
+        r = rows[-1]
+        print(f"{method:>7} {r['step_ms']:>9.2f} {r['comm_ms']:>9.2f} {r['compute_ms']:>11.2f} "
+              f"{100 * r['comm_share']:>9.1f}% {wrong:>7}", flush=True)
+    return rows
+
+
+def describe_devices(devices):
+    if devices[0].type == "cuda":
+        names = {str(d): torch.cuda.get_device_name(d) for d in dict.fromkeys(devices)}
+        return ", ".join(f"{k} {v}" for k, v in names.items())
+    return f"cpu ({cpu_model()}, {os.cpu_count()} cores, {torch.get_num_threads()} torch threads)"
+
+
+def cpu_model():
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    try:
+        devices = parse_devices(args.device, args.ranks)
+    except ValueError as e:
+        print(f"bench/resnet18.py: {e}", file=sys.stderr)
+        return 2
+    import ringreduce
+
+    config = {"date": datetime.datetime.now().isoformat(timespec="seconds"),
+              "command": " ".join([os.path.basename(sys.executable)] + sys.argv),
+              "devices": [str(d) for d in devices], "device_names": describe_devices(devices),
+              "torch": torch.__version__, "cuda": torch.version.cuda,
+              "ringreduce": ringreduce.build_info(), **{k: v for k, v in vars(args).items()}}
+    if devices[0].type == "cuda" and hasattr(torch._C, "_nccl_all_reduce"):
+        config["nccl"] = ".".join(map(str, torch.cuda.nccl.version()))
+    print(f"# ResNet-18 gradient all-reduce, {len(devices)} ranks on {config['device_names']}")
+    print(f"# ranks {config['devices']}; torch {torch.__version__}; ringreduce "
+          f"{config['ringreduce']['version']} (cuda build: {config['ringreduce']['cuda']})"
+          + (f"; NCCL {config['nccl']}" if "nccl" in config else ""))
+    methods, skipped = {}, {}
+    for m in args.methods:
+        try:
+            methods[m] = make_all_reduce(m, devices)
+        except NcclUnavailable as e:
+            skipped[m] = str(e)
+            print(f"# {m}: skipped: {e}")
+    print(f"# exchange: median of {args.iters} after {args.warmup} warm-up; "
+          f"bucket {args.bucket_mb:g} MB")
+    print(EXCHANGE_HEADER)
+    exchange = bench_exchange(args, devices, methods)
+    step_rows = []
+    if args.steps > 0:
+        print(f"# training step: batch {args.batch_size} of 1x{args.image_size}x"
+              f"{args.image_size}, median of {args.steps} after {args.step_warmup} warm-up; "
+              f"comm = the bucketed gradient exchange inside the step")
+        print(STEP_HEADER)
+        step_rows = bench_steps(args, devices, list(methods))
+    wrong = sum(r["wrong"] for r in exchange + step_rows)
+    print(f"# {'OK' if wrong == 0 else f'FAILED: {wrong} wrong elements'}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"config": config, "skipped": skipped, "exchange": exchange,
+                       "step": step_rows, "wrong": wrong}, f, indent=1)
+    return 0 if wrong == 0 else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,172 @@
+"""Data-parallel ResNet-18 training with a swappable all-reduce: `python -m ringreduce.train`.
+
+    python -m ringreduce.train --allreduce ring                  # synthetic data, all defaults
+    python -m ringreduce.train --data ~/fashion-mnist --device cuda --ranks 4 --allreduce nccl
+
+Prints a progress bar during each epoch (stderr) and then, on stdout,
+`test acc: 0.91, 12.2 sec/epoch on [cuda:0, cuda:1]` (seconds of training, evaluation excluded).
+"""
+
+import argparse
+import sys
+import time
+
+import torch
+
+from .data import load_fashion_mnist, minibatches, synthetic_dataset
+from .dp import DEFAULT_BUCKET_MB, METHODS, DataParallel, NcclUnavailable, parse_devices
+from .models import resnet18
+
+
+def build_parser():
+    p = argparse.ArgumentParser(
+        prog="python -m ringreduce.train",
+        description="Single-process data-parallel ResNet-18 training; --allreduce picks how "
+                    "gradients are summed across the replicas.")
+    p.add_argument("--ranks", type=int, default=None,
+                   help="number of replicas (default: 2 on CPU, one per visible GPU on CUDA; "
+                        "more ranks than GPUs puts several simulated ranks on a GPU)")
+    p.add_argument("--device", default=None,
+                   help="cpu, cuda, cuda:N, or one device per rank separated by commas "
+                        "(default: cuda if available, else cpu)")
+    p.add_argument("--epochs", type=int, default=5)
+    p.add_argument("--batch-size", type=int, default=128,
+                   help="global minibatch size, split across the ranks (default: 128)")
+    p.add_argument("--lr", type=float, default=0.1)
+    p.add_argument("--momentum", type=float, default=0.0)
+    p.add_argument("--allreduce", choices=METHODS, default="ring",
+                   help="gradient all-reduce: ring (ringreduce), nccl, or naive (sum on rank 0, "
+                        "copy back)")
+    p.add_argument("--data", default=None, metavar="DIR",
+                   help="folder with the Fashion-MNIST IDX files (train-images-idx3-ubyte[.gz] "
+                        "...); default: the built-in synthetic dataset")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--bucket-mb", type=float, default=DEFAULT_BUCKET_MB,
+                   help="gradient bucket size in MB, one all-reduce per bucket; 0 = one per "
+                        "parameter (default: %(default)s, as DDP)")
+    p.add_argument("--train-size", type=int, default=2048,
+                   help="synthetic data: number of training images (default: %(default)s)")
+    p.add_argument("--test-size", type=int, default=512,
+                   help="synthetic data: number of test images (default: %(default)s)")
+    p.add_argument("--image-size", type=int, default=16,
+                   help="synthetic data: height and width of the images (default: %(default)s)")
+    p.add_argument("--max-steps", type=int, default=None,
+                   help="stop each epoch after this many steps (for smoke tests)")
+    return p
+
+
+class ProgressBar:
+    """A one-line progress bar on stderr, redrawn at most 10 times a second on a terminal;
+    elsewhere (a log file, a pipe) one line per tenth of the epoch."""
+
+    def __init__(self, total, prefix, stream=sys.stderr, width=30):
+        self.total, self.prefix, self.stream, self.width = max(1, total), prefix, stream, width
+        self.tty = stream.isatty()
+        self.last_draw = 0.0
+        self.last_tenth = -1
+
+    def due(self, done):
+        """Whether update(done) would draw (so the caller computes the suffix only then)."""
+        if done >= self.total:
+            return True
+        if self.tty:
+            return time.monotonic() - self.last_draw >= 0.1
+        return 10 * done // self.total != self.last_tenth
+
+    def update(self, done, suffix=""):
+        if not self.due(done):
+            return
+        if self.tty:
+            end = "\n" if done >= self.total else ""
+            self.stream.write("\r" + self._line(done, suffix) + end)
+        else:
+            self.last_tenth = 10 * done // self.total
+            self.stream.write(self._line(done, suffix) + "\n")
+        self.stream.flush()
+        self.last_draw = time.monotonic()
+
+    def _line(self, done, suffix):
+        filled = self.width * done // self.total
+        bar = "#" * filled + "-" * (self.width - filled)
+        return f"{self.prefix} [{bar}] {done}/{self.total} {suffix}".rstrip()
+
+
+def load_data(args):
+    if args.data is not None:
+        return load_fashion_mnist(args.data)
+    return synthetic_dataset(n_train=args.train_size, n_test=args.test_size,
+                             image_size=args.image_size, seed=args.seed)
+
+
+def check_args(args):
+    for name in ("epochs", "batch_size"):
+        if getattr(args, name) < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if args.lr <= 0:
+        raise ValueError(f"--lr must be > 0, got {args.lr}")
+    if args.max_steps is not None and args.max_steps < 1:
+        raise ValueError(f"--max-steps must be >= 1, got {args.max_steps}")
+
+
+def train(args, out=sys.stdout, progress_stream=sys.stderr):
+    """Run the training the parsed `args` describe; returns the last epoch's test accuracy."""
+    check_args(args)
+    devices = parse_devices(args.device, args.ranks)
+    if args.batch_size < len(devices):
+        raise ValueError(f"--batch-size {args.batch_size} is smaller than the {len(devices)} "
+                         f"ranks it is split across")
+    data = load_data(args)
+    torch.manual_seed(args.seed)
+    model = resnet18(in_channels=data.image_shape[0], num_classes=data.num_classes)
+    dp = DataParallel(model, devices, all_reduce=args.allreduce, lr=args.lr,
+                      momentum=args.momentum, bucket_mb=args.bucket_mb)
+    device_list = "[" + ", ".join(str(d) for d in devices) + "]"
+    print(f"ResNet-18 on {data.describe()}; {len(devices)} ranks {device_list}, "
+          f"allreduce={args.allreduce}, batch {args.batch_size}, lr {args.lr}", file=out,
+          flush=True)
+    shuffle = torch.Generator().manual_seed(args.seed)
+    steps = (len(data.train_y) + args.batch_size - 1) // args.batch_size
+    if args.max_steps is not None:
+        steps = min(steps, args.max_steps)
+    acc = 0.0
+    for epoch in range(1, args.epochs + 1):
+        bar = ProgressBar(steps, f"epoch {epoch}/{args.epochs}", stream=progress_stream)
+        dp.train()
+        loss_sum, done = None, 0
+        start = time.perf_counter()
+        for x, y in minibatches(data.train_x, data.train_y, args.batch_size, shuffle=True,
+                                generator=shuffle):
+            if done == steps:
+                break
+            if len(y) < len(devices):
+                # A last partial batch too small to give every rank a sample is dropped.
+                continue
+            loss = dp.step(x, y)
+            loss_sum = loss if loss_sum is None else loss_sum + loss
+            done += 1
+            if bar.due(done):
+                # .item() waits for the GPU, so the loss is read only when the bar is redrawn.
+                bar.update(done, f"loss {loss_sum.item() / done:.3f}")
+        dp.synchronize()
+        seconds = time.perf_counter() - start
+        acc = dp.evaluate(data.test_x, data.test_y)
+        print(f"test acc: {acc:.2f}, {seconds:.1f} sec/epoch on {device_list}", file=out,
+              flush=True)
+    return acc
+
+
+def main(argv=None):
+    args = build_parser().parse_args(argv)
+    try:
+        train(args)
+    except NcclUnavailable as e:
+        print(f"ringreduce.train: --allreduce nccl cannot run here: {e}", file=sys.stderr)
+        return 2
+    except (ValueError, FileNotFoundError) as e:
+        print(f"ringreduce.train: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -312,8 +312,8 @@ def test_nccl_probe_child_reports_why():
     assert reason is not None and "no CUDA device" in reason
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device visible to torch")
 @pytest.mark.skipif(not ringreduce.build_info()["cuda"], reason="ringreduce was built CPU-only")
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device visible to torch")
 def test_cuda_simulated_ranks_tiny(tmp_path):
     """On one GPU (CUDA_VISIBLE_DEVICES=0): 4 simulated ranks, #wrong 0, the roofline present,
     and NCCL either measured and right or unavailable with a reason."""

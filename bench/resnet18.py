@@ -16,7 +16,7 @@ methods' results; #wrong counts the elements that fail.
 Part 2, the training step: DataParallel steps (forward and backward on every replica, the
 bucketed exchange, SGD) with each method; median step time, median time in the exchange and
 its share of the step. Checked: replicas bitwise identical after the steps, and parameters
-close to the first method's. Exits 1 when anything is wrong.
+after the first step close to the first method's. Exits 1 when anything is wrong.
 """
 
 import argparse
@@ -46,7 +46,8 @@ def parse_args(argv=None):
                    help="cpu, cuda, cuda:N or one device per rank, comma-separated "
                         "(default: cuda if available, else cpu)")
     p.add_argument("--ranks", type=int, default=None,
-                   help="default: one per GPU with --device cuda, else 2 (1 GPU: 2 on it)")
+                   help="default: one per GPU with --device cuda, at least 2 (simulated ranks "
+                        "on one GPU); 2 on CPU")
     p.add_argument("--methods", default=",".join(METHODS),
                    help="comma-separated subset of %(default)s")
     p.add_argument("--bucket-mb", type=float, default=DEFAULT_BUCKET_MB)
@@ -71,9 +72,8 @@ def parse_args(argv=None):
             p.error(f"--{name.replace('_', '-')} must be >= 1")
     if args.warmup < 0 or args.steps < 0 or args.step_warmup < 0:
         p.error("--warmup, --steps and --step-warmup must be >= 0")
-    if args.ranks is None and (args.device is None and cuda or args.device == "cuda") \
-            and torch.cuda.device_count() == 1:
-        args.ranks = 2
+    if args.ranks is not None and args.ranks < 2:
+        p.error("--ranks must be >= 2 (an all-reduce over one rank moves nothing)")
     return args
 
 
@@ -226,6 +226,9 @@ def bench_steps(args, devices, methods):
     batches = [(torch.randn(args.batch_size, 1, args.image_size, args.image_size, generator=g),
                 torch.randint(0, 10, (args.batch_size,), generator=g)) for _ in range(steps)]
     rows, first_params = [], None
+    # Parameters after the first step differ between methods only by the exchange's rounding;
+    # later steps amplify that (a ReLU input near zero flips), so the methods are compared
+    # there. Replicas of one method stay bitwise identical through all the steps.
     for method in methods:
         torch.manual_seed(args.seed)
         dp = DataParallel(resnet18(1, 10), devices, method, lr=0.01, bucket_mb=args.bucket_mb)
@@ -238,16 +241,17 @@ def bench_steps(args, devices, methods):
             dp.synchronize()
             if dp.time_comm:
                 step_times.append(time.perf_counter() - start)
+            if i == 0:
+                params = [p.detach().cpu().clone() for p in dp.replicas[0].parameters()]
         comm_times = dp.pop_comm_seconds()
         wrong = 0
         for m in dp.replicas[1:]:
             wrong += sum(int((p != q).sum()) for p, q in
                          zip(dp.replicas[0].parameters(), m.parameters()))
-        params = [p.detach().cpu() for p in dp.replicas[0].parameters()]
         if first_params is None:
             first_params = params
         else:
-            wrong += sum(int((~torch.isclose(p, q, rtol=1e-3, atol=1e-5)).sum())
+            wrong += sum(int((~torch.isclose(p, q, rtol=1e-5, atol=1e-6)).sum())
                          for p, q in zip(params, first_params))
         step, comm = statistics.median(step_times), statistics.median(comm_times)
         rows.append({"method": method, "step_ms": step * 1e3, "comm_ms": comm * 1e3,
@@ -282,6 +286,8 @@ def main(argv=None):
     args = parse_args(argv)
     try:
         devices = parse_devices(args.device, args.ranks)
+        if len(devices) < 2:
+            devices = parse_devices(args.device, 2)
     except ValueError as e:
         print(f"bench/resnet18.py: {e}", file=sys.stderr)
         return 2

@@ -14,9 +14,11 @@ Gradients live in flat per-replica buckets (DDP's gradient_as_bucket_view): one 
 bucket of at most `bucket_mb` megabytes, or one per parameter with bucket_mb=0.
 """
 
+import concurrent.futures
 import contextlib
 import copy
 import os
+import queue
 import threading
 import time
 
@@ -129,33 +131,44 @@ def nccl_skip_reason(devices):
     return None
 
 
-def _run_per_rank(fn, n, what, timeout=NCCL_TIMEOUT_S):
-    """Run fn(rank) for every rank at once, one thread each; results in rank order.
+class _RankThreads:
+    """One persistent daemon thread per rank; run(fn) calls fn(rank) on every rank's thread at
+    once and returns the results in rank order, or raises naming the rank that failed or did
+    not return within the timeout (a daemon thread stuck inside NCCL cannot keep the process
+    alive after that error)."""
 
-    Daemon threads, so a rank stuck inside NCCL cannot keep the process alive after the
-    timeout error.
-    """
-    results, errors = [None] * n, [None] * n
+    def __init__(self, devices):
+        self._queues = [queue.SimpleQueue() for _ in devices]
+        for rank, device in enumerate(devices):
+            threading.Thread(target=self._loop, args=(rank, device), daemon=True,
+                             name=f"rr-nccl-rank{rank}").start()
 
-    def body(rank):
-        try:
-            results[rank] = fn(rank)
-        except BaseException as e:  # re-raised in the caller with the rank named
-            errors[rank] = e
+    def _loop(self, rank, device):
+        if device.type == "cuda":
+            torch.cuda.set_device(device)  # per thread in the CUDA runtime
+        while True:
+            fn, future = self._queues[rank].get()
+            try:
+                future.set_result(fn(rank))
+            except BaseException as e:  # re-raised by run() with the rank named
+                future.set_exception(e)
 
-    threads = [threading.Thread(target=body, args=(r,), daemon=True, name=f"rr-nccl-{r}")
-               for r in range(n)]
-    for t in threads:
-        t.start()
-    deadline = time.monotonic() + timeout
-    for rank, t in enumerate(threads):
-        t.join(max(0.0, deadline - time.monotonic()))
-        if t.is_alive():
-            raise RuntimeError(f"{what}: rank {rank} did not return within {timeout:.0f} s")
-    for rank, e in enumerate(errors):
-        if e is not None:
-            raise RuntimeError(f"{what}: rank {rank} failed: {e}") from e
-    return results
+    def run(self, fn, what, timeout=NCCL_TIMEOUT_S):
+        futures = []
+        for q in self._queues:
+            futures.append(concurrent.futures.Future())
+            q.put((fn, futures[-1]))
+        deadline = time.monotonic() + timeout
+        results = []
+        for rank, future in enumerate(futures):
+            try:
+                results.append(future.result(timeout=max(0.0, deadline - time.monotonic())))
+            except concurrent.futures.TimeoutError:
+                raise RuntimeError(f"{what}: rank {rank} did not return within "
+                                   f"{timeout:g} s") from None
+            except Exception as e:
+                raise RuntimeError(f"{what}: rank {rank} failed: {e}") from e
+        return results
 
 
 class _NcclMultiRank:
@@ -163,34 +176,37 @@ class _NcclMultiRank:
 
     torch.cuda.nccl.all_reduce refuses two tensors on one device ("inputs must be on unique
     devices"), so each rank gets its own communicator from ncclCommInitRank
-    (torch.cuda.nccl.init_rank) and issues its own ncclAllReduce. A thread per rank makes the
-    calls: one thread calling them for several ranks in turn would block in the first, waiting
-    for ranks it has not started yet. Each call is ordered on the current stream of its rank's
-    device as the calling thread saw it (PyTorch's current stream is per thread, so it is
-    passed explicitly).
+    (torch.cuda.nccl.init_rank) and issues its own ncclAllReduce, each from its own thread:
+    one thread issuing them for several ranks in turn could block in the first, waiting for
+    ranks it has not started yet. Each rank also needs its own stream: the ranks' kernels wait
+    for each other, so two of them queued on one stream (the shared device's current stream)
+    would deadlock. The rank streams start after the work already on the current streams and
+    the current streams wait for them, so callers see the usual ordering.
     """
 
     def __init__(self, devices):
         self.devices = list(devices)
-        uid = torch.cuda.nccl.unique_id()
         n = len(self.devices)
-
-        def init(rank):
-            torch.cuda.set_device(self.devices[rank])
-            return torch.cuda.nccl.init_rank(n, uid, rank)
-
-        self.comms = _run_per_rank(init, n, "NCCL communicator set-up")
+        self._threads = _RankThreads(self.devices)
+        self._streams = [torch.cuda.Stream(device=d) for d in self.devices]
+        uid = torch.cuda.nccl.unique_id()
+        self._comms = self._threads.run(lambda rank: torch.cuda.nccl.init_rank(n, uid, rank),
+                                        "NCCL communicator set-up")
 
     def __call__(self, tensors):
-        streams = [torch.cuda.current_stream(t.device) for t in tensors]
+        current = [torch.cuda.current_stream(t.device) for t in tensors]
+        for stream, cur in zip(self._streams, current):
+            stream.wait_stream(cur)
 
         def one(rank):
-            torch.cuda.set_device(self.devices[rank])
             t = tensors[rank]
-            torch._C._nccl_all_reduce([t], [t], torch.cuda.nccl.SUM, [streams[rank]],
-                                      [self.comms[rank]])
+            torch._C._nccl_all_reduce([t], [t], torch.cuda.nccl.SUM, [self._streams[rank]],
+                                      [self._comms[rank]])
 
-        _run_per_rank(one, len(tensors), "NCCL all_reduce")
+        self._threads.run(one, "NCCL all_reduce")
+        for t, stream, cur in zip(tensors, self._streams, current):
+            cur.wait_stream(stream)
+            t.record_stream(stream)
         return tensors
 
 
@@ -424,6 +440,8 @@ class DataParallel:
         out = []
         for start, end in self._comm_marks:
             if self._cuda:
+                for e in end.values():
+                    e.synchronize()
                 out.append(max(start[d].elapsed_time(end[d]) for d in start) / 1e3)
             else:
                 out.append(end - start)

@@ -29,18 +29,20 @@ def build_parser():
     p.add_argument("--device", default=None,
                    help="cpu, cuda, cuda:N, or one device per rank separated by commas "
                         "(default: cuda if available, else cpu)")
-    p.add_argument("--epochs", type=int, default=5)
+    p.add_argument("--epochs", type=int, default=5, help="default: %(default)s")
     p.add_argument("--batch-size", type=int, default=128,
                    help="global minibatch size, split across the ranks (default: 128)")
-    p.add_argument("--lr", type=float, default=0.1)
-    p.add_argument("--momentum", type=float, default=0.0)
+    p.add_argument("--lr", type=float, default=0.1, help="SGD learning rate (default: %(default)s)")
+    p.add_argument("--momentum", type=float, default=0.0,
+                   help="SGD momentum (default: %(default)s)")
     p.add_argument("--allreduce", choices=METHODS, default="ring",
                    help="gradient all-reduce: ring (ringreduce), nccl, or naive (sum on rank 0, "
-                        "copy back)")
+                        "copy back); default: ring")
     p.add_argument("--data", default=None, metavar="DIR",
                    help="folder with the Fashion-MNIST IDX files (train-images-idx3-ubyte[.gz] "
                         "...); default: the built-in synthetic dataset")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0,
+                   help="seeds the model, the shuffling and the synthetic data (default: 0)")
     p.add_argument("--bucket-mb", type=float, default=DEFAULT_BUCKET_MB,
                    help="gradient bucket size in MB, one all-reduce per bucket; 0 = one per "
                         "parameter (default: %(default)s, as DDP)")

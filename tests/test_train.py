@@ -9,6 +9,7 @@ import re
 import struct
 import subprocess
 import sys
+import threading
 
 import numpy as np
 import pytest
@@ -17,7 +18,7 @@ import torch.nn.functional as F
 
 from ringreduce.data import (FASHION_MNIST_FILES, load_fashion_mnist, minibatches, read_idx,
                              synthetic_dataset)
-from ringreduce.dp import (DataParallel, NcclUnavailable, bucket_indices, make_all_reduce,
+from ringreduce.dp import (DataParallel, _RankThreads, NcclUnavailable, bucket_indices, make_all_reduce,
                            naive_all_reduce, nccl_skip_reason, parse_devices)
 from ringreduce.models import resnet18
 
@@ -227,6 +228,26 @@ def test_nccl_is_refused_on_cpu_with_a_reason():
         make_all_reduce("tree", devices)
 
 
+def test_rank_threads_run_ranks_concurrently_and_name_failures():
+    # The machinery behind NCCL with several ranks on one GPU (which needs a GPU itself): every
+    # rank's call must be in flight at once, or ranks waiting for each other would deadlock.
+    threads = _RankThreads([torch.device("cpu")] * 3)
+    barrier = threading.Barrier(3, timeout=10)
+    assert threads.run(lambda rank: (barrier.wait(), rank * 10)[1], "barrier") == [0, 10, 20]
+
+    def fail_on_1(rank):
+        if rank == 1:
+            raise ValueError("boom")
+        return rank
+
+    with pytest.raises(RuntimeError, match="collective x: rank 1 failed: boom"):
+        threads.run(fail_on_1, "collective x")
+    release = threading.Event()
+    with pytest.raises(RuntimeError, match="collective y: rank 2 did not return within 0.3 s"):
+        threads.run(lambda rank: rank == 2 and release.wait(), "collective y", timeout=0.3)
+    release.set()
+
+
 # ---------------------------------------------------------------- data-parallel training
 
 def make_batches(steps, batch, image=8, seed=0, dtype=torch.float32):
@@ -314,7 +335,9 @@ def test_ring_training_with_batchnorm_statistics_per_replica():
 
 def test_naive_and_ring_training_agree():
     # float32, BatchNorm in training mode, per-parameter all-reduces (bucket_mb=0) for naive and
-    # 25 MB buckets for ring: the methods differ only in summation order.
+    # 25 MB buckets for ring: the methods differ only in summation order. Parameters are compared
+    # after the first step, where that rounding is all that differs (later steps can amplify it
+    # wherever a ReLU input near zero changes sign); losses on every step.
     batches = make_batches(2, 8, seed=2)
     runs = {}
     for method, bucket_mb in (("naive", 0), ("ring", 25)):
@@ -322,17 +345,22 @@ def test_naive_and_ring_training_agree():
         dp = DataParallel(resnet18(1, 10), [torch.device("cpu")] * 2, method, lr=0.05,
                           bucket_mb=bucket_mb)
         dp.time_comm = True
-        losses = [dp.step(x, y) for x, y in batches]
+        losses = [dp.step(*batches[0])]
+        after_first = [p.detach().clone() for p in dp.replicas[0].parameters()]
+        losses.append(dp.step(*batches[1]))
         assert_replicas_identical(dp)
         comm = dp.pop_comm_seconds()
         assert len(comm) == 2 and all(s > 0 for s in comm)
-        runs[method] = (dp, losses)
+        runs[method] = (dp, losses, after_first)
     # 44.7 MB of gradients in buckets of at most 25 MB: 3 (the 9.4 MB layer-4 convs split them).
     assert len(runs["naive"][0].buckets) == 62 and len(runs["ring"][0].buckets) == 3
     for a, b in zip(runs["naive"][1], runs["ring"][1]):
         assert torch.allclose(a, b, rtol=1e-5, atol=0)
-    for p, q in zip(runs["naive"][0].replicas[0].parameters(), runs["ring"][0].replicas[0].parameters()):
-        assert torch.allclose(p, q, rtol=1e-4, atol=1e-6), (p - q).abs().max()
+    for p, q in zip(runs["naive"][2], runs["ring"][2]):
+        assert torch.allclose(p, q, rtol=1e-5, atol=1e-7), (p - q).abs().max()
+    torch.manual_seed(2)
+    start = list(resnet18(1, 10).parameters())
+    assert not torch.equal(runs["ring"][2][0], start[0])  # the step did move the parameters
 
 
 def test_step_rejects_a_batch_smaller_than_the_ranks():

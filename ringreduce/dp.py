@@ -6,19 +6,18 @@ gradients summed across replicas by the chosen method, then the same optimizer s
 replica. The method is the only thing that differs between runs:
 
 - "ring":  ringreduce.all_reduce
-- "nccl":  NCCL through torch.cuda.nccl (one rank per GPU), or one NCCL communicator per rank
-           when several ranks share a GPU (needs NCCL >= 2.30 and NCCL_MULTI_RANK_GPU_ENABLE=1)
+- "nccl":  NCCL through torch.cuda.nccl (one rank per GPU), or libnccl called directly when
+           several ranks share a GPU (needs NCCL >= 2.30 and NCCL_MULTI_RANK_GPU_ENABLE=1)
 - "naive": sum everything on rank 0, then copy the sum back to every rank (the textbook way)
 
 Gradients live in flat per-replica buckets (DDP's gradient_as_bucket_view): one all-reduce per
 bucket of at most `bucket_mb` megabytes, or one per parameter with bucket_mb=0.
 """
 
-import concurrent.futures
 import contextlib
 import copy
+import ctypes
 import os
-import queue
 import threading
 import time
 
@@ -28,8 +27,8 @@ import torch.nn.functional as F
 METHODS = ("ring", "nccl", "naive")
 DEFAULT_BUCKET_MB = 25.0
 NCCL_MULTI_RANK_MIN_VERSION = (2, 30)
-# Bound on any wait for NCCL (communicator set-up, a probe collective, one all-reduce call):
-# a rank that never joins must become an error naming it, not a hang.
+# Bound on the wait for NCCL's probe all-reduce (its first call, which connects the ranks): a
+# rank that never joins must become an error naming it, not a hang.
 NCCL_TIMEOUT_S = 120.0
 
 
@@ -131,79 +130,83 @@ def nccl_skip_reason(devices):
     return None
 
 
-class _RankThreads:
-    """One persistent daemon thread per rank; run(fn) calls fn(rank) on every rank's thread at
-    once and returns the results in rank order, or raises naming the rank that failed or did
-    not return within the timeout (a daemon thread stuck inside NCCL cannot keep the process
-    alive after that error)."""
-
-    def __init__(self, devices):
-        self._queues = [queue.SimpleQueue() for _ in devices]
-        for rank, device in enumerate(devices):
-            threading.Thread(target=self._loop, args=(rank, device), daemon=True,
-                             name=f"rr-nccl-rank{rank}").start()
-
-    def _loop(self, rank, device):
-        if device.type == "cuda":
-            torch.cuda.set_device(device)  # per thread in the CUDA runtime
-        while True:
-            fn, future = self._queues[rank].get()
-            try:
-                future.set_result(fn(rank))
-            except BaseException as e:  # re-raised by run() with the rank named
-                future.set_exception(e)
-
-    def run(self, fn, what, timeout=NCCL_TIMEOUT_S):
-        futures = []
-        for q in self._queues:
-            futures.append(concurrent.futures.Future())
-            q.put((fn, futures[-1]))
-        deadline = time.monotonic() + timeout
-        results = []
-        for rank, future in enumerate(futures):
-            try:
-                results.append(future.result(timeout=max(0.0, deadline - time.monotonic())))
-            except concurrent.futures.TimeoutError:
-                raise RuntimeError(f"{what}: rank {rank} did not return within "
-                                   f"{timeout:g} s") from None
-            except Exception as e:
-                raise RuntimeError(f"{what}: rank {rank} failed: {e}") from e
-        return results
+# ncclDataType_t and ncclRedOp_t values from nccl.h (unchanged since NCCL 2.10).
+_NCCL_DTYPES = {torch.int8: 0, torch.uint8: 1, torch.int32: 2, torch.int64: 4, torch.float16: 6,
+                torch.float32: 7, torch.float64: 8, torch.bfloat16: 9}
+_NCCL_SUM = 0
 
 
-class _NcclMultiRank:
-    """NCCL all-reduce (sum) where several ranks share a GPU, inside one process.
+def _load_libnccl():
+    """The libnccl torch loaded (its path in /proc/self/maps), else the loader's libnccl.so.2."""
+    names = []
+    try:
+        with open("/proc/self/maps") as f:
+            names = sorted({line.split()[-1] for line in f if "libnccl.so" in line})
+    except OSError:
+        pass
+    errors = []
+    for name in names + ["libnccl.so.2"]:
+        try:
+            return ctypes.CDLL(name)
+        except OSError as e:
+            errors.append(str(e))
+    raise RuntimeError("cannot load libnccl: " + "; ".join(errors))
 
-    torch.cuda.nccl.all_reduce refuses two tensors on one device ("inputs must be on unique
-    devices"), so each rank gets its own communicator from ncclCommInitRank
-    (torch.cuda.nccl.init_rank) and issues its own ncclAllReduce, each from its own thread:
-    one thread issuing them for several ranks in turn could block in the first, waiting for
-    ranks it has not started yet. Each rank also needs its own stream: the ranks' kernels wait
-    for each other, so two of them queued on one stream (the shared device's current stream)
-    would deadlock. The rank streams start after the work already on the current streams and
-    the current streams wait for them, so callers see the usual ordering.
+
+class _NcclSharedGpu:
+    """NCCL all-reduce (sum) for ranks of which some share a GPU, called through libnccl.
+
+    torch.cuda.nccl.all_reduce rejects two tensors on one device ("inputs must be on unique
+    devices") whatever the NCCL version, so the communicators come from ncclCommInitAll with
+    the device repeated (NCCL >= 2.30 with NCCL_MULTI_RANK_GPU_ENABLE=1 accepts that), and
+    every call issues one ncclAllReduce per rank inside a group, from this one thread. The ranks'
+    kernels wait for each other, so each rank runs on a stream of its own: two queued on one
+    stream (the shared device's current stream) would deadlock. The rank streams start after
+    the work on the current streams, and the current streams wait for them, so callers see the
+    usual current-stream ordering.
     """
 
     def __init__(self, devices):
-        self.devices = list(devices)
-        n = len(self.devices)
-        self._threads = _RankThreads(self.devices)
-        self._streams = [torch.cuda.Stream(device=d) for d in self.devices]
-        uid = torch.cuda.nccl.unique_id()
-        self._comms = self._threads.run(lambda rank: torch.cuda.nccl.init_rank(n, uid, rank),
-                                        "NCCL communicator set-up")
+        lib = _load_libnccl()
+        c_int, c_void_p = ctypes.c_int, ctypes.c_void_p
+        lib.ncclGetErrorString.restype = ctypes.c_char_p
+        lib.ncclGetErrorString.argtypes = [c_int]
+        lib.ncclCommInitAll.argtypes = [ctypes.POINTER(c_void_p), c_int, ctypes.POINTER(c_int)]
+        lib.ncclAllReduce.argtypes = [c_void_p, c_void_p, ctypes.c_size_t, c_int, c_int,
+                                      c_void_p, c_void_p]
+        for fn in (lib.ncclCommInitAll, lib.ncclAllReduce, lib.ncclGroupStart, lib.ncclGroupEnd):
+            fn.restype = c_int
+        self._lib = lib
+        n = len(devices)
+        self._comms = (c_void_p * n)()
+        indices = [d.index for d in devices]
+        self._check(lib.ncclCommInitAll(self._comms, n, (c_int * n)(*indices)),
+                    f"ncclCommInitAll(ndev={n}, devlist={indices})")
+        self._streams = [torch.cuda.Stream(device=d) for d in devices]
+
+    def _check(self, result, what):
+        if result != 0:
+            text = self._lib.ncclGetErrorString(result).decode(errors="replace")
+            raise RuntimeError(f"{what}: NCCL error {result} ({text})")
 
     def __call__(self, tensors):
+        dtype = _NCCL_DTYPES.get(tensors[0].dtype)
+        if dtype is None:
+            raise TypeError(f"NCCL all-reduce: dtype {tensors[0].dtype} is not supported")
         current = [torch.cuda.current_stream(t.device) for t in tensors]
         for stream, cur in zip(self._streams, current):
             stream.wait_stream(cur)
-
-        def one(rank):
-            t = tensors[rank]
-            torch._C._nccl_all_reduce([t], [t], torch.cuda.nccl.SUM, [self._streams[rank]],
-                                      [self._comms[rank]])
-
-        self._threads.run(one, "NCCL all_reduce")
+        self._check(self._lib.ncclGroupStart(), "ncclGroupStart")
+        try:
+            for rank, t in enumerate(tensors):
+                ptr = ctypes.c_void_p(t.data_ptr())
+                self._check(self._lib.ncclAllReduce(ptr, ptr, t.numel(), dtype, _NCCL_SUM,
+                                                    self._comms[rank],
+                                                    self._streams[rank].cuda_stream),
+                            f"ncclAllReduce (rank {rank})")
+        finally:
+            ended = self._lib.ncclGroupEnd()
+        self._check(ended, "ncclGroupEnd")
         for t, stream, cur in zip(tensors, self._streams, current):
             cur.wait_stream(stream)
             t.record_stream(stream)
@@ -216,31 +219,48 @@ def _nccl_unique_devices(tensors):
 
 
 def _probe_nccl(fn, devices):
-    """One small all-reduce, waited for with a timeout; NcclUnavailable with the cause if it fails."""
+    """One small all-reduce, waited for with a timeout (NCCL's first call connects the ranks
+    and can block the calling thread, so it runs in a daemon thread); NcclUnavailable with the
+    cause when it fails, hangs or sums wrongly."""
     n = len(devices)
     probe = [torch.full((64,), float(r + 1), device=d) for r, d in enumerate(devices)]
-    try:
-        fn(probe)
-        events = []
-        for d in devices:
-            e = torch.cuda.Event()
-            e.record(torch.cuda.current_stream(d))
-            events.append(e)
-        deadline = time.monotonic() + NCCL_TIMEOUT_S
-        for rank, e in enumerate(events):
-            while not e.query():
-                if time.monotonic() > deadline:
-                    raise RuntimeError(f"rank {rank} did not finish a 64-element probe "
-                                       f"all-reduce within {NCCL_TIMEOUT_S:.0f} s")
-                time.sleep(0.001)
-    except RuntimeError as e:
-        raise NcclUnavailable(f"NCCL {_nccl_version_string()} failed on {n} ranks "
-                              f"{[str(d) for d in devices]}: {e}") from e
+    streams = [torch.cuda.current_stream(d) for d in devices]
+    events, errors = [], []
+
+    def body():
+        try:
+            with contextlib.ExitStack() as stack:
+                for s in streams:  # the caller's current streams (they are per thread)
+                    stack.enter_context(torch.cuda.stream(s))
+                fn(probe)
+            for s in streams:
+                e = torch.cuda.Event()
+                e.record(s)
+                events.append(e)
+        except Exception as e:  # reported below as the reason NCCL is unavailable
+            errors.append(e)
+
+    where = f"NCCL {_nccl_version_string()} on {n} ranks {[str(d) for d in devices]}"
+    thread = threading.Thread(target=body, daemon=True, name="rr-nccl-probe")
+    thread.start()
+    deadline = time.monotonic() + NCCL_TIMEOUT_S
+    thread.join(NCCL_TIMEOUT_S)
+    if thread.is_alive():
+        raise NcclUnavailable(f"{where}: a 64-element probe all-reduce did not return within "
+                              f"{NCCL_TIMEOUT_S:.0f} s")
+    if errors:
+        raise NcclUnavailable(f"{where}: a probe all-reduce failed: {errors[0]}") from errors[0]
+    for rank, e in enumerate(events):
+        while not e.query():
+            if time.monotonic() > deadline:
+                raise NcclUnavailable(f"{where}: rank {rank} did not finish a 64-element probe "
+                                      f"all-reduce within {NCCL_TIMEOUT_S:.0f} s")
+            time.sleep(0.001)
     expected = n * (n + 1) / 2
     for rank, t in enumerate(probe):
         if not torch.all(t == expected):
-            raise NcclUnavailable(f"NCCL probe all-reduce gave a wrong sum on rank {rank}: "
-                                  f"{t[0].item()} instead of {expected}")
+            raise NcclUnavailable(f"{where}: the probe all-reduce gave {t[0].item()} on rank "
+                                  f"{rank} instead of {expected}")
 
 
 def make_all_reduce(method, devices):
@@ -258,7 +278,7 @@ def make_all_reduce(method, devices):
     if reason is not None:
         raise NcclUnavailable(reason)
     try:
-        fn = _nccl_unique_devices if len(set(devices)) == len(devices) else _NcclMultiRank(devices)
+        fn = _nccl_unique_devices if len(set(devices)) == len(devices) else _NcclSharedGpu(devices)
     except RuntimeError as e:
         raise NcclUnavailable(f"NCCL {_nccl_version_string()} set-up failed: {e}") from e
     _probe_nccl(fn, devices)

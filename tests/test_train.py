@@ -9,7 +9,6 @@ import re
 import struct
 import subprocess
 import sys
-import threading
 
 import numpy as np
 import pytest
@@ -18,7 +17,7 @@ import torch.nn.functional as F
 
 from ringreduce.data import (FASHION_MNIST_FILES, load_fashion_mnist, minibatches, read_idx,
                              synthetic_dataset)
-from ringreduce.dp import (DataParallel, _RankThreads, NcclUnavailable, bucket_indices, make_all_reduce,
+from ringreduce.dp import (DataParallel, NcclUnavailable, bucket_indices, make_all_reduce,
                            naive_all_reduce, nccl_skip_reason, parse_devices)
 from ringreduce.models import resnet18
 
@@ -226,26 +225,6 @@ def test_nccl_is_refused_on_cpu_with_a_reason():
         make_all_reduce("nccl", devices)
     with pytest.raises(ValueError, match="one of ring, nccl, naive"):
         make_all_reduce("tree", devices)
-
-
-def test_rank_threads_run_ranks_concurrently_and_name_failures():
-    # The machinery behind NCCL with several ranks on one GPU (which needs a GPU itself): every
-    # rank's call must be in flight at once, or ranks waiting for each other would deadlock.
-    threads = _RankThreads([torch.device("cpu")] * 3)
-    barrier = threading.Barrier(3, timeout=10)
-    assert threads.run(lambda rank: (barrier.wait(), rank * 10)[1], "barrier") == [0, 10, 20]
-
-    def fail_on_1(rank):
-        if rank == 1:
-            raise ValueError("boom")
-        return rank
-
-    with pytest.raises(RuntimeError, match="collective x: rank 1 failed: boom"):
-        threads.run(fail_on_1, "collective x")
-    release = threading.Event()
-    with pytest.raises(RuntimeError, match="collective y: rank 2 did not return within 0.3 s"):
-        threads.run(lambda rank: rank == 2 and release.wait(), "collective y", timeout=0.3)
-    release.set()
 
 
 # ---------------------------------------------------------------- data-parallel training

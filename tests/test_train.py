@@ -278,7 +278,7 @@ def test_ring_training_matches_full_batch_single_replica(nranks, batch):
     dp = DataParallel(model, [torch.device("cpu")] * nranks, "ring", lr=0.05, momentum=0.9)
     dp.eval()
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
-    for x, y in make_batches(2, batch, dtype=torch.float64):
+    for x, y in make_batches(3, batch, dtype=torch.float64):
         ref_loss = reference_step(model, opt, x, y, shards=1)
         loss = dp.step(x, y)
         assert torch.allclose(loss, ref_loss, rtol=1e-12, atol=0)

@@ -1,0 +1,310 @@
+"""The "ringreduce" torch.distributed backend under spawned processes, against gloo (and NCCL
+where it can run): an all-reduce sweep with nccl-tests columns, then the step time of
+ResNet-18 trained with DistributedDataParallel.
+
+    python bench/ddp.py                      # CPU: 2 ranks, ringreduce vs gloo
+    python bench/ddp.py --device cuda --ranks 4 --backends ringreduce,nccl,gloo
+    python bench/ddp.py --skip-ddp --max-bytes 16M --json sweep.json
+
+Every backend gets its own set of --ranks processes on this host (one rank each; on CUDA rank r
+uses GPU r mod the GPU count, so several ranks share a GPU where there are fewer GPUs).
+Timings are host wall-clock per call (CUDA: synchronised), the slowest rank's for each
+iteration, and the table shows the median over iterations. Sizes that do not fit in the
+cache rotate through several buffers. Inputs are integer-valued (never zero), so the sum is
+exact and #wrong counts elements that differ from it; the exit status is 1 if any is wrong.
+The all-reduce keeps summing into the same buffers while timing, so values grow (to inf for
+long runs); that does not change the work done (no denormals).
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import statistics
+import sys
+import tempfile
+import time
+import traceback
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import common  # noqa: E402
+
+DTYPES = ("float32", "float64", "bfloat16", "float16")
+
+
+def parse_args(argv):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--device", choices=("cpu", "cuda"), default=None,
+                   help="tensor device (default: cuda if available, else cpu)")
+    p.add_argument("--ranks", type=int, default=2, help="processes per backend (default 2)")
+    p.add_argument("--backends", default=None,
+                   help="comma-separated (default: ringreduce,gloo on cpu; "
+                        "ringreduce,nccl,gloo on cuda)")
+    p.add_argument("--min-bytes", type=common.parse_size, default=8)
+    p.add_argument("--max-bytes", type=common.parse_size, default=None,
+                   help="largest message (default 64M on cpu, 256M on cuda)")
+    p.add_argument("--dtype", choices=DTYPES, default="float32")
+    p.add_argument("--iters", type=int, default=None,
+                   help="timed calls per size (default: 5..50, fewer for large sizes)")
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--batch", type=int, default=32, help="images per rank per DDP step")
+    p.add_argument("--image-size", type=int, default=32)
+    p.add_argument("--steps", type=int, default=10, help="timed DDP steps")
+    p.add_argument("--ddp-warmup", type=int, default=3)
+    p.add_argument("--skip-sweep", action="store_true")
+    p.add_argument("--skip-ddp", action="store_true")
+    p.add_argument("--timeout", type=float, default=300.0, help="process group timeout, s")
+    p.add_argument("--json", metavar="PATH", help="write the rows and the run's configuration")
+    args = p.parse_args(argv)
+    import torch
+    if args.device is None:
+        args.device = "cuda" if torch.cuda.is_available() else "cpu"
+    if args.device == "cuda" and not torch.cuda.is_available():
+        p.error("--device cuda: no CUDA device is available")
+    if args.ranks < 1:
+        p.error("--ranks must be >= 1")
+    if args.max_bytes is None:
+        args.max_bytes = 64 * common.MiB if args.device == "cpu" else 256 * common.MiB
+    if args.backends is None:
+        args.backends = "ringreduce,gloo" if args.device == "cpu" else "ringreduce,nccl,gloo"
+    args.backends = [b.strip() for b in args.backends.split(",") if b.strip()]
+    return args
+
+
+def iterations(size, args):
+    if args.iters is not None:
+        return args.iters
+    return max(5, min(50, (256 * common.MiB) // max(size, 1)))
+
+
+# ---------------------------------------------------------------------------------------------
+# One rank.
+
+def _rank_main(rank, world, backend, store, args, queue):
+    try:
+        queue.put((rank, "ok", _rank_body(rank, world, backend, store, args)))
+    except BaseException:
+        queue.put((rank, "error", traceback.format_exc()))
+
+
+def _rank_body(rank, world, backend, store, args):
+    import torch
+    import torch.distributed as dist
+
+    import ringreduce
+    from ringreduce.distributed import register_backend
+
+    register_backend()
+    cuda = args.device == "cuda"
+    if cuda:
+        device = torch.device("cuda", rank % torch.cuda.device_count())
+        torch.cuda.set_device(device)
+    else:
+        device = torch.device("cpu")
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+    dist.init_process_group(backend, init_method=f"file://{store}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=args.timeout))
+
+    def sync():
+        if cuda:
+            torch.cuda.synchronize(device)
+
+    def slowest(times):
+        """Per iteration, the slowest rank's time."""
+        everyone = [None] * world
+        dist.all_gather_object(everyone, times)
+        return [max(col) for col in zip(*everyone)]
+
+    out = {"sweep": [], "ddp": None}
+    dtype = getattr(torch, args.dtype)
+    esize = torch.empty((), dtype=dtype).element_size()
+    cache = common.cuda_l2_bytes(device.index) if cuda else common.cpu_cache_bytes()
+    if not args.skip_sweep:
+        for size in common.doubling_sizes(args.min_bytes, args.max_bytes, esize):
+            count = size // esize
+            pattern = (torch.arange(count, dtype=torch.int64) % 7 + 1).to(dtype)
+            nsets = common.rotation_sets(size, cache, 8)
+            bufs = [(pattern * (rank + 1)).to(device) for _ in range(nsets)]
+            dist.all_reduce(bufs[0])
+            sync()
+            expect = (pattern * (world * (world + 1) // 2)).to(device)
+            wrong = int((bufs[0] != expect).sum())
+            iters = iterations(size, args)
+            times = []
+            dist.barrier()
+            for i in range(args.warmup + iters):
+                sync()
+                t0 = time.perf_counter()
+                dist.all_reduce(bufs[i % nsets])
+                sync()
+                if i >= args.warmup:
+                    times.append(time.perf_counter() - t0)
+            wrong_all = torch.tensor([wrong], dtype=torch.int64, device=device)
+            dist.all_reduce(wrong_all)
+            t = statistics.median(slowest(times))
+            algbw, busbw = common.bandwidths(size, t, 2 * (world - 1) / world if world > 1 else 0)
+            out["sweep"].append({"size": size, "count": count, "iters": iters,
+                                 "time_us": t * 1e6, "algbw": algbw, "busbw": busbw,
+                                 "wrong": int(wrong_all.item())})
+            del bufs, expect
+
+    if not args.skip_ddp:
+        from ringreduce.models import resnet18
+
+        torch.manual_seed(0)
+        model = resnet18(in_channels=3, num_classes=10).to(device)
+        ddp = torch.nn.parallel.DistributedDataParallel(
+            model, device_ids=[device.index] if cuda else None)
+        opt = torch.optim.SGD(ddp.parameters(), lr=0.01, momentum=0.9)
+        g = torch.Generator().manual_seed(100 + rank)
+        x = torch.randn(args.batch, 3, args.image_size, args.image_size, generator=g).to(device)
+        y = torch.randint(0, 10, (args.batch,), generator=g).to(device)
+        times = []
+        for i in range(args.ddp_warmup + args.steps):
+            sync()
+            t0 = time.perf_counter()
+            opt.zero_grad(set_to_none=True)
+            torch.nn.functional.cross_entropy(ddp(x), y).backward()
+            opt.step()
+            sync()
+            if i >= args.ddp_warmup:
+                times.append(time.perf_counter() - t0)
+        step = statistics.median(slowest(times))
+        checks = [None] * world
+        dist.all_gather_object(checks, [float(p.detach().double().sum()) for p in model.parameters()])
+        nparams = sum(p.numel() for p in model.parameters())
+        out["ddp"] = {"step_ms": step * 1e3, "images_per_s": world * args.batch / step,
+                      "params": nparams, "replicas_agree": all(c == checks[0] for c in checks)}
+    dist.destroy_process_group()
+    del ringreduce
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Driver.
+
+def nccl_unavailable(args):
+    """Why NCCL cannot run this configuration, or None."""
+    import torch
+    if args.device != "cuda":
+        return "NCCL needs --device cuda"
+    import torch.distributed as dist
+    if not dist.is_nccl_available():
+        return "this torch has no NCCL"
+    ngpus = torch.cuda.device_count()
+    if args.ranks > ngpus:
+        version = torch.cuda.nccl.version()
+        if tuple(version) < (2, 30, 0):
+            return (f"NCCL {'.'.join(map(str, version))} refuses several ranks on one GPU "
+                    f"({args.ranks} ranks, {ngpus} GPU(s)); needs NCCL >= 2.30")
+    return None
+
+
+def run_backend(backend, args):
+    """Runs one backend's ranks; returns (rank 0's results, None) or (None, why not)."""
+    import torch.multiprocessing as mp
+    if backend == "nccl":
+        why = nccl_unavailable(args)
+        if why:
+            return None, why
+        os.environ.setdefault("NCCL_MULTI_RANK_GPU_ENABLE", "1")
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    with tempfile.TemporaryDirectory() as tmp:
+        store = os.path.join(tmp, "store")
+        procs = [ctx.Process(target=_rank_main, args=(r, args.ranks, backend, store, args, queue))
+                 for r in range(args.ranks)]
+        for p in procs:
+            p.start()
+        results = {}
+        try:
+            while len(results) < args.ranks:
+                try:
+                    rank, status, value = queue.get(timeout=5)
+                    results[rank] = (status, value)
+                except Exception:
+                    if all(p.exitcode is not None for p in procs):
+                        break
+        finally:
+            for p in procs:
+                p.join(timeout=30)
+                if p.is_alive():
+                    p.kill()
+    errors = [f"rank {r}: {v}" for r, (s, v) in sorted(results.items()) if s != "ok"]
+    if errors or 0 not in results:
+        return None, "failed:\n" + ("\n".join(errors) or "ranks exited without reporting")
+    return results[0][1], None
+
+
+def main(argv=None):
+    args = parse_args(sys.argv[1:] if argv is None else argv)
+    import torch
+    info = common.host_info()
+    print(f"# bench/ddp.py  {info['date']}  host {info['host']}")
+    print(f"# cpu: {info['cpu']} ({info['cpu_count']} logical cores)  torch {info['torch']}")
+    if args.device == "cuda":
+        cinfo = common.cuda_info(range(torch.cuda.device_count()))
+        gpus = ", ".join(g["name"] for g in cinfo["gpus"])
+        print(f"# gpus: {gpus}  driver {cinfo['driver']}  cuda {cinfo['cuda_runtime']}"
+              f"  nccl {'.'.join(map(str, torch.cuda.nccl.version()))}")
+    print(f"# device {args.device}, {args.ranks} ranks (processes) per backend, "
+          f"dtype {args.dtype}, op sum")
+    print(f"# command: {common.command_line()}")
+
+    results, unavailable = {}, {}
+    for backend in args.backends:
+        res, why = run_backend(backend, args)
+        if res is None:
+            unavailable[backend] = why
+            print(f"# {backend}: {why}", file=sys.stderr if why.startswith("failed") else
+                  sys.stdout)
+        else:
+            results[backend] = res
+    bad = False
+    if not args.skip_sweep:
+        cols = [common.Column("time", "(us)", 10, ".1f"), common.Column("algbw", "(GB/s)", 7, ".3f"),
+                common.Column("busbw", "(GB/s)", 7, ".3f"), common.Column("#wrong", "", 6, "d")]
+        table = common.Table(
+            [common.Column("size", "(B)", 11, "d"), common.Column("count", "(elements)", 11, "d"),
+             common.Column("type", "", 8, "s")],
+            [(b, cols) for b in args.backends])
+        print()
+        print("\n".join(table.header()))
+        sizes = next((r["sweep"] for r in results.values()), [])
+        for i, row in enumerate(sizes):
+            groups = []
+            for b in args.backends:
+                if b in results:
+                    r = results[b]["sweep"][i]
+                    groups.append([r["time_us"], r["algbw"], r["busbw"], r["wrong"]])
+                    bad = bad or r["wrong"] > 0
+                else:
+                    groups.append(unavailable[b].splitlines()[0])
+            print(table.row([row["size"], row["count"], args.dtype], groups))
+    if not args.skip_ddp:
+        print()
+        print(f"# ResNet-18 ({args.image_size}x{args.image_size}x3, 10 classes) DDP training "
+              f"step, batch {args.batch} per rank, median of {args.steps} steps")
+        print(f"# {'backend':>12} {'step (ms)':>10} {'images/s':>10} {'vs gloo':>8}  replicas")
+        base = results.get("gloo", {}).get("ddp")
+        for b in args.backends:
+            if b not in results:
+                print(f"  {b:>12}  {unavailable[b].splitlines()[0]}")
+                continue
+            d = results[b]["ddp"]
+            rel = f"{base['step_ms'] / d['step_ms']:.2f}x" if base else "-"
+            agree = "agree" if d["replicas_agree"] else "DIFFER"
+            bad = bad or not d["replicas_agree"]
+            print(f"  {b:>12} {d['step_ms']:10.1f} {d['images_per_s']:10.1f} {rel:>8}  {agree}")
+    if args.json:
+        common.write_json(args.json, {"host": info, "config": {
+            k: v for k, v in vars(args).items() if k != "json"}, "results": results,
+            "unavailable": unavailable})
+    if any(why.startswith("failed") for why in unavailable.values()):
+        return 2
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

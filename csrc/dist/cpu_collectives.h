@@ -1,0 +1,37 @@
+// Multi-process collectives on host memory: every process runs its own rank of the ring
+// schedule (csrc/ring/schedule.h) over the shared-memory staging areas of a HostGroup.
+// Torch-free. Each call is collective: every rank of the group makes the same calls in the
+// same order with the same sizes, dtype, op and root; a disagreement raises CommError.
+//
+// Tensors larger than the staging area go in rounds. An all-reduce round carries one piece of
+// every ring chunk, so every element stays in the chunk the whole-tensor schedule puts it in
+// and is reduced in the same order: the result is bitwise the single-process core's.
+#pragma once
+
+#include <cstdint>
+
+#include "../ring/types.h"
+#include "host_group.h"
+
+namespace rr {
+namespace dist {
+namespace cpu {
+
+// In place: every rank's `data` ends up holding the reduction of all ranks' `count` elements.
+void all_reduce(HostGroup& g, void* data, int64_t count, DType dtype, Op op);
+
+// `bytes` bytes of rank `root`'s `data` are copied into every other rank's `data`.
+void broadcast(HostGroup& g, void* data, int64_t bytes, int root);
+
+// outs[r] (one pointer per rank) receives rank r's `bytes` bytes of `in`.
+void all_gather(HostGroup& g, const void* in, void* const* outs, int64_t bytes);
+
+// `in` holds nranks segments of `count` elements; rank r's `out` receives the reduction over
+// ranks of segment r, reduced in rank order 0, 1, ..., N-1 on every rank.
+void reduce_scatter(HostGroup& g, const void* in, void* out, int64_t count, DType dtype, Op op);
+
+void barrier(HostGroup& g);
+
+}  // namespace cpu
+}  // namespace dist
+}  // namespace rr

@@ -1,0 +1,311 @@
+// Binding of the multi-process executors (module ringreduce._dist_C): validates tensors,
+// naming the argument and the rule, before anything is touched, then hands raw pointers to the
+// torch-free executors. The only file of csrc/dist that includes torch.
+#include <torch/extension.h>
+
+#include <memory>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "../ring/types.h"
+#include "cpu_collectives.h"
+#include "host_group.h"
+
+#ifdef RINGREDUCE_WITH_CUDA
+#include <c10/cuda/CUDACachingAllocator.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+
+#include "cuda_collectives.h"
+#endif
+
+namespace {
+
+using rr::dist::HostGroup;
+
+rr::DType to_dtype(const at::Tensor& t, const char* fn, const char* arg) {
+  switch (t.scalar_type()) {
+    case at::kFloat: return rr::DType::F32;
+    case at::kDouble: return rr::DType::F64;
+    case at::kHalf: return rr::DType::F16;
+    case at::kBFloat16: return rr::DType::BF16;
+    case at::kInt: return rr::DType::I32;
+    case at::kLong: return rr::DType::I64;
+    case at::kChar: return rr::DType::I8;
+    case at::kByte: return rr::DType::U8;
+    default: break;
+  }
+  TORCH_CHECK_TYPE(false, "ringreduce ", fn, ": ", arg, " has dtype ", t.scalar_type(),
+                   ", which the reduction does not support (supported: float32, float64, "
+                   "float16, bfloat16, int32, int64, int8, uint8)");
+}
+
+rr::Op to_op(const std::string& op, rr::DType dtype, const char* fn) {
+  rr::Op o;
+  if (op == "sum") o = rr::Op::Sum;
+  else if (op == "avg") o = rr::Op::Avg;
+  else if (op == "max") o = rr::Op::Max;
+  else if (op == "min") o = rr::Op::Min;
+  else if (op == "prod") o = rr::Op::Prod;
+  else TORCH_CHECK_VALUE(false, "ringreduce ", fn, ": op must be one of sum, avg, max, min, "
+                         "prod; got '", op, "'");
+  TORCH_CHECK_TYPE(o != rr::Op::Avg || rr::is_floating(dtype), "ringreduce ", fn, ": op 'avg' "
+                   "needs a floating-point dtype; got ", rr::dtype_name(dtype),
+                   " (use SUM and divide, or convert first)");
+  return o;
+}
+
+void check_dense(const at::Tensor& t, const char* fn, const char* arg) {
+  TORCH_CHECK_VALUE(t.defined(), "ringreduce ", fn, ": ", arg, " is undefined");
+  TORCH_CHECK_VALUE(t.layout() == at::kStrided, "ringreduce ", fn, ": ", arg, " has layout ",
+                    t.layout(), "; only dense (strided) tensors are supported");
+  TORCH_CHECK_VALUE(t.is_cpu() || t.is_cuda(), "ringreduce ", fn, ": ", arg, " is on ",
+                    t.device(), "; only cpu and cuda tensors are supported");
+  TORCH_CHECK_VALUE(t.is_contiguous(), "ringreduce ", fn, ": ", arg, " must be contiguous");
+}
+
+int64_t nbytes(const at::Tensor& t) { return t.numel() * int64_t(t.element_size()); }
+
+#ifndef RINGREDUCE_WITH_CUDA
+[[noreturn]] void no_cuda(const char* fn) {
+  TORCH_CHECK(false, "ringreduce ", fn, ": the tensor is on CUDA but this ringreduce build has "
+              "no CUDA support (built CPU-only: torch without CUDA, nvcc not found, or "
+              "RINGREDUCE_FORCE_CPU=1)");
+}
+#endif
+
+class Comm {
+ public:
+  Comm(int rank, int nranks, int64_t capacity, double timeout_s, const std::string& tag)
+      : g_(rank, nranks, capacity, timeout_s, tag) {}
+
+  std::string name() const { return g_.name(); }
+  int rank() const { return g_.rank(); }
+  int size() const { return g_.nranks(); }
+  bool closed() const { return g_.closed(); }
+
+  void attach(const std::vector<std::string>& names) {
+    std::lock_guard<std::mutex> lock(mu_);
+    pybind11::gil_scoped_release no_gil;
+    g_.attach(names);
+  }
+  void unlink() {
+    std::lock_guard<std::mutex> lock(mu_);
+    g_.unlink();
+  }
+  void set_timeout(double seconds) {
+    std::lock_guard<std::mutex> lock(mu_);
+    g_.set_timeout(seconds);
+  }
+  void close() {
+    std::lock_guard<std::mutex> lock(mu_);
+#ifdef RINGREDUCE_WITH_CUDA
+    peers_.reset();
+#endif
+    g_.close();
+  }
+
+  void all_reduce(const at::Tensor& t, const std::string& op_name) {
+    const char* fn = "all_reduce";
+    check_dense(t, fn, "tensor");
+    const rr::DType dtype = to_dtype(t, fn, "tensor");
+    const rr::Op op = to_op(op_name, dtype, fn);
+    std::lock_guard<std::mutex> lock(mu_);
+    if (t.is_cuda()) {
+#ifdef RINGREDUCE_WITH_CUDA
+      CudaCall c = cuda_call(t, fn);
+      pybind11::gil_scoped_release no_gil;
+      rr::dist::cuda::all_reduce(g_, *c.peers, buffer(t), t.numel(), dtype, op, c.stream);
+      return;
+#else
+      no_cuda(fn);
+#endif
+    }
+    void* data = t.data_ptr();
+    pybind11::gil_scoped_release no_gil;
+    rr::dist::cpu::all_reduce(g_, data, t.numel(), dtype, op);
+  }
+
+  void broadcast(const at::Tensor& t, int root) {
+    const char* fn = "broadcast";
+    check_dense(t, fn, "tensor");
+    TORCH_CHECK_VALUE(root >= 0 && root < g_.nranks(), "ringreduce broadcast: root must be in "
+                      "[0, ", g_.nranks(), "); got ", root);
+    std::lock_guard<std::mutex> lock(mu_);
+    if (t.is_cuda()) {
+#ifdef RINGREDUCE_WITH_CUDA
+      CudaCall c = cuda_call(t, fn);
+      pybind11::gil_scoped_release no_gil;
+      rr::dist::cuda::broadcast(g_, *c.peers, buffer(t), nbytes(t), root, c.stream);
+      return;
+#else
+      no_cuda(fn);
+#endif
+    }
+    void* data = t.data_ptr();
+    pybind11::gil_scoped_release no_gil;
+    rr::dist::cpu::broadcast(g_, data, nbytes(t), root);
+  }
+
+  void all_gather(const std::vector<at::Tensor>& outs, const at::Tensor& in) {
+    const char* fn = "all_gather";
+    check_dense(in, fn, "input");
+    TORCH_CHECK_VALUE(int(outs.size()) == g_.nranks(), "ringreduce all_gather: the output list "
+                      "must hold one tensor per rank (", g_.nranks(), "); got ", outs.size());
+    std::vector<void*> ptrs;
+    for (size_t i = 0; i < outs.size(); ++i) {
+      const std::string arg = "output[" + std::to_string(i) + "]";
+      check_dense(outs[i], fn, arg.c_str());
+      TORCH_CHECK_VALUE(outs[i].device() == in.device(), "ringreduce all_gather: ", arg,
+                        " is on ", outs[i].device(), " but the input is on ", in.device());
+      TORCH_CHECK_TYPE(outs[i].scalar_type() == in.scalar_type(), "ringreduce all_gather: ",
+                       arg, " has dtype ", outs[i].scalar_type(), " but the input has ",
+                       in.scalar_type());
+      TORCH_CHECK_VALUE(outs[i].numel() == in.numel(), "ringreduce all_gather: ", arg, " has ",
+                        outs[i].numel(), " elements but the input has ", in.numel());
+      ptrs.push_back(outs[i].data_ptr());
+    }
+    std::lock_guard<std::mutex> lock(mu_);
+    if (in.is_cuda()) {
+#ifdef RINGREDUCE_WITH_CUDA
+      CudaCall c = cuda_call(in, fn);
+      for (const at::Tensor& o : outs) record(o);
+      pybind11::gil_scoped_release no_gil;
+      rr::dist::cuda::all_gather(g_, *c.peers, buffer(in), ptrs.data(), nbytes(in), c.stream);
+      return;
+#else
+      no_cuda(fn);
+#endif
+    }
+    const void* data = in.data_ptr();
+    pybind11::gil_scoped_release no_gil;
+    rr::dist::cpu::all_gather(g_, data, ptrs.data(), nbytes(in));
+  }
+
+  void reduce_scatter(const at::Tensor& out, const at::Tensor& in, const std::string& op_name) {
+    const char* fn = "reduce_scatter";
+    check_dense(out, fn, "output");
+    check_dense(in, fn, "input");
+    const rr::DType dtype = to_dtype(in, fn, "input");
+    const rr::Op op = to_op(op_name, dtype, fn);
+    TORCH_CHECK_VALUE(out.device() == in.device(), "ringreduce reduce_scatter: output is on ",
+                      out.device(), " but input is on ", in.device());
+    TORCH_CHECK_TYPE(out.scalar_type() == in.scalar_type(), "ringreduce reduce_scatter: output "
+                     "has dtype ", out.scalar_type(), " but input has ", in.scalar_type());
+    TORCH_CHECK_VALUE(in.numel() == out.numel() * g_.nranks(), "ringreduce reduce_scatter: "
+                      "input must hold world size (", g_.nranks(), ") x output elements (",
+                      out.numel(), "); got ", in.numel());
+    std::lock_guard<std::mutex> lock(mu_);
+    if (in.is_cuda()) {
+#ifdef RINGREDUCE_WITH_CUDA
+      CudaCall c = cuda_call(in, fn);
+      record(out);
+      // The CUDA executor reads this rank's input while it writes the output: an output that
+      // overlaps the input (reduce_scatter_tensor in place) goes through a scratch tensor.
+      const auto in_lo = reinterpret_cast<uintptr_t>(in.data_ptr());
+      const auto out_lo = reinterpret_cast<uintptr_t>(out.data_ptr());
+      const bool overlap = nbytes(out) > 0 && out_lo < in_lo + uintptr_t(nbytes(in)) &&
+                           in_lo < out_lo + uintptr_t(nbytes(out));
+      at::Tensor dst = overlap ? at::empty_like(out) : out;
+      {
+        pybind11::gil_scoped_release no_gil;
+        rr::dist::cuda::reduce_scatter(g_, *c.peers, buffer(in), dst.data_ptr(), out.numel(),
+                                       dtype, op, c.stream);
+      }
+      if (overlap) out.copy_(dst);
+      return;
+#else
+      no_cuda(fn);
+#endif
+    }
+    const void* src = in.data_ptr();
+    void* dst = out.data_ptr();
+    pybind11::gil_scoped_release no_gil;
+    rr::dist::cpu::reduce_scatter(g_, src, dst, out.numel(), dtype, op);
+  }
+
+  void barrier() {
+    std::lock_guard<std::mutex> lock(mu_);
+    pybind11::gil_scoped_release no_gil;
+    rr::dist::cpu::barrier(g_);
+  }
+
+ private:
+#ifdef RINGREDUCE_WITH_CUDA
+  struct CudaCall {
+    rr::dist::cuda::Peers* peers;
+    cudaStream_t stream;
+  };
+
+  // The first CUDA collective sets up this rank's IPC events on the tensor's device (a
+  // collective step of its own); every later one must use that same device.
+  CudaCall cuda_call(const at::Tensor& t, const char* fn) {
+    const int dev = t.get_device();
+    if (!peers_) {
+      pybind11::gil_scoped_release no_gil;
+      peers_ = rr::dist::cuda::make_peers(g_, dev);
+    }
+    TORCH_CHECK_VALUE(rr::dist::cuda::device_of(*peers_) == dev, "ringreduce ", fn, ": tensor "
+                      "is on cuda:", dev, " but this rank's earlier CUDA collectives used cuda:",
+                      rr::dist::cuda::device_of(*peers_), "; a process group rank drives one "
+                      "GPU");
+    const cudaStream_t stream =
+        c10::cuda::getCurrentCUDAStream(static_cast<c10::DeviceIndex>(dev)).stream();
+    record(t);
+    return CudaCall{peers_.get(), stream};
+  }
+
+  // The buffer is last used on `stream` (which waits for the peers' reads): tell the caching
+  // allocator, so a tensor freed right after the call is not reused before that point.
+  static void record(const at::Tensor& t) {
+    c10::cuda::CUDACachingAllocator::recordStream(
+        t.storage().data_ptr(),
+        c10::cuda::getCurrentCUDAStream(static_cast<c10::DeviceIndex>(t.get_device())));
+  }
+
+  static rr::dist::cuda::Buffer buffer(const at::Tensor& t) {
+    size_t alloc_size = 0;
+    void* base = c10::cuda::CUDACachingAllocator::getBaseAllocation(t.data_ptr(), &alloc_size);
+    return rr::dist::cuda::Buffer{t.data_ptr(), base};
+  }
+
+#endif
+  HostGroup g_;
+#ifdef RINGREDUCE_WITH_CUDA
+  rr::dist::cuda::PeersPtr peers_;  // declared after g_: released before the group closes
+#endif
+  std::mutex mu_;
+};
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.doc() = "ringreduce multi-process executors (internal; use the 'ringreduce' backend of "
+            "torch.distributed)";
+  pybind11::register_exception<rr::dist::CommError>(m, "CommError", PyExc_RuntimeError);
+#ifdef RINGREDUCE_WITH_CUDA
+  m.attr("cuda") = true;
+#else
+  m.attr("cuda") = false;
+#endif
+  m.attr("max_ranks") = rr::dist::kMaxRanks;
+  pybind11::class_<Comm>(m, "Comm")
+      .def(pybind11::init<int, int, int64_t, double, const std::string&>(),
+           pybind11::arg("rank"), pybind11::arg("size"), pybind11::arg("capacity"),
+           pybind11::arg("timeout"), pybind11::arg("tag"))
+      .def_property_readonly("name", &Comm::name)
+      .def_property_readonly("rank", &Comm::rank)
+      .def_property_readonly("size", &Comm::size)
+      .def_property_readonly("closed", &Comm::closed)
+      .def("attach", &Comm::attach, pybind11::arg("names"))
+      .def("unlink", &Comm::unlink)
+      .def("close", &Comm::close)
+      .def("set_timeout", &Comm::set_timeout, pybind11::arg("seconds"))
+      .def("all_reduce", &Comm::all_reduce, pybind11::arg("tensor"), pybind11::arg("op"))
+      .def("broadcast", &Comm::broadcast, pybind11::arg("tensor"), pybind11::arg("root"))
+      .def("all_gather", &Comm::all_gather, pybind11::arg("outputs"), pybind11::arg("input"))
+      .def("reduce_scatter", &Comm::reduce_scatter, pybind11::arg("output"),
+           pybind11::arg("input"), pybind11::arg("op"))
+      .def("barrier", &Comm::barrier);
+}

@@ -1,0 +1,386 @@
+#include "host_group.h"
+
+#include <errno.h>
+#include <fcntl.h>
+#include <linux/futex.h>
+#include <signal.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <sys/syscall.h>
+#include <time.h>
+#include <unistd.h>
+
+#include <climits>
+#include <cstdio>
+#include <cstring>
+#include <fstream>
+#include <new>
+#include <sstream>
+#include <thread>
+
+#include "../ring/types.h"
+
+namespace rr {
+namespace dist {
+
+static_assert(std::atomic<uint64_t>::is_always_lock_free, "cross-process atomics need lock-free");
+static_assert(std::atomic<uint32_t>::is_always_lock_free, "cross-process atomics need lock-free");
+static_assert(sizeof(std::atomic<uint32_t>) == 4, "the futex word must be 32 bits");
+
+namespace {
+
+constexpr uint64_t kMagic = 0x31646572676e6972ULL;  // "ringred1"
+constexpr size_t kHeaderBytes = (sizeof(Header) + 4095) / 4096 * 4096;
+using Clock = std::chrono::steady_clock;
+
+std::string errno_text(int err) { return std::string(std::strerror(err)); }
+
+uint64_t own_pid_ns() {
+  struct stat st;
+  if (stat("/proc/self/ns/pid", &st) != 0) return 0;
+  return uint64_t(st.st_ino);
+}
+
+// Sleeps on `word` while it still holds `expected`, for at most `ns` nanoseconds. Not
+// FUTEX_PRIVATE: the word lives in memory shared between processes.
+void futex_wait(std::atomic<uint32_t>* word, uint32_t expected, int64_t ns) {
+  struct timespec ts;
+  ts.tv_sec = time_t(ns / 1000000000);
+  ts.tv_nsec = long(ns % 1000000000);
+  syscall(SYS_futex, reinterpret_cast<uint32_t*>(word), FUTEX_WAIT, expected, &ts, nullptr, 0);
+}
+
+void futex_wake_all(std::atomic<uint32_t>* word) {
+  syscall(SYS_futex, reinterpret_cast<uint32_t*>(word), FUTEX_WAKE, INT_MAX, nullptr, nullptr, 0);
+}
+
+inline void cpu_relax() {
+#if defined(__x86_64__) || defined(__i386__)
+  __builtin_ia32_pause();
+#elif defined(__aarch64__)
+  asm volatile("yield");
+#endif
+}
+
+std::string seconds(std::chrono::nanoseconds d) {
+  char buf[32];
+  std::snprintf(buf, sizeof(buf), "%.1f s", double(d.count()) / 1e9);
+  return buf;
+}
+
+std::string desc_text(const Desc& d) {
+  std::ostringstream s;
+  s << kind_name(Kind(d.kind)) << " #" << d.seq;
+  if (d.count >= 0) s << (d.dtype >= 0 ? " count=" : " bytes=") << d.count;
+  if (d.dtype >= 0) s << " dtype=" << dtype_name(DType(d.dtype));
+  if (d.op >= 0) s << " op=" << op_name(Op(d.op));
+  if (d.root >= 0) s << " root=" << d.root;
+  s << (d.device < 0 ? " on cpu" : " on cuda");
+  return s.str();
+}
+
+}  // namespace
+
+const char* kind_name(Kind k) {
+  switch (k) {
+    case Kind::None: return "nothing";
+    case Kind::AllReduce: return "all_reduce";
+    case Kind::Broadcast: return "broadcast";
+    case Kind::AllGather: return "all_gather";
+    case Kind::ReduceScatter: return "reduce_scatter";
+    case Kind::Barrier: return "barrier";
+    case Kind::CudaSetup: return "cuda_setup";
+  }
+  return "?";
+}
+
+HostGroup::HostGroup(int rank, int nranks, int64_t capacity, double timeout_s,
+                     const std::string& tag)
+    : rank_(rank), nranks_(nranks), capacity_(capacity), headers_(size_t(nranks), nullptr) {
+  if (nranks < 1 || nranks > kMaxRanks)
+    throw std::invalid_argument("ringreduce: world size must be in [1, " +
+                                std::to_string(kMaxRanks) + "]; got " + std::to_string(nranks));
+  if (rank < 0 || rank >= nranks)
+    throw std::invalid_argument("ringreduce: rank must be in [0, " + std::to_string(nranks) +
+                                "); got " + std::to_string(rank));
+  if (capacity < 4096 || capacity % 4096 != 0)
+    throw std::invalid_argument("ringreduce: shared-memory staging size must be a positive "
+                                "multiple of 4096 bytes; got " + std::to_string(capacity));
+  set_timeout(timeout_s);
+  name_ = "/ringreduce-" + tag + "-r" + std::to_string(rank);
+  const int fd = shm_open(name_.c_str(), O_CREAT | O_EXCL | O_RDWR, 0600);
+  if (fd < 0)
+    throw std::runtime_error("ringreduce: shm_open(" + name_ + ") failed: " + errno_text(errno));
+  linked_ = true;
+  map_bytes_ = kHeaderBytes + size_t(capacity);
+  // posix_fallocate reserves the pages now: without it a full /dev/shm shows up later as
+  // SIGBUS on first touch instead of an error here.
+  int err = posix_fallocate(fd, 0, off_t(map_bytes_));
+  void* p = MAP_FAILED;
+  if (err == 0) {
+    p = mmap(nullptr, map_bytes_, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+    if (p == MAP_FAILED) err = errno;
+  }
+  ::close(fd);
+  if (err != 0) {
+    shm_unlink(name_.c_str());
+    linked_ = false;
+    throw std::runtime_error("ringreduce: could not allocate " + std::to_string(map_bytes_) +
+                             " bytes of shared memory for " + name_ + ": " + errno_text(err) +
+                             " (is /dev/shm full? set RINGREDUCE_SHM_BYTES lower)");
+  }
+  Header* h = new (p) Header();
+  h->magic = kMagic;
+  h->rank = rank;
+  h->nranks = nranks;
+  h->pid = int64_t(getpid());
+  h->pid_ns = own_pid_ns();
+  h->capacity = capacity;
+  h->progress.store(0, std::memory_order_relaxed);
+  h->wake.store(0, std::memory_order_relaxed);
+  h->waiters.store(0, std::memory_order_relaxed);
+  h->waiting_for.store(-1, std::memory_order_relaxed);
+  h->state.store(kLive, std::memory_order_release);
+  headers_[size_t(rank)] = h;
+}
+
+HostGroup::~HostGroup() {
+  try {
+    close();
+  } catch (...) {
+  }
+}
+
+void HostGroup::set_timeout(double seconds) {
+  if (!(seconds > 0))
+    throw std::invalid_argument("ringreduce: timeout must be positive; got " +
+                                std::to_string(seconds) + " s");
+  timeout_ = std::chrono::nanoseconds(int64_t(seconds * 1e9));
+}
+
+void HostGroup::attach(const std::vector<std::string>& names) {
+  if (int(names.size()) != nranks_)
+    throw std::invalid_argument("ringreduce: attach needs one segment name per rank");
+  for (int r = 0; r < nranks_; ++r) {
+    if (r == rank_ || headers_[size_t(r)] != nullptr) continue;
+    const std::string& n = names[size_t(r)];
+    const int fd = shm_open(n.c_str(), O_RDWR, 0600);
+    if (fd < 0)
+      throw CommError("ringreduce: could not open rank " + std::to_string(r) +
+                      "'s shared memory " + n + ": " + errno_text(errno) +
+                      " (all ranks must run on one host and share /dev/shm)");
+    struct stat st{};
+    void* p = MAP_FAILED;
+    if (fstat(fd, &st) == 0 && size_t(st.st_size) == map_bytes_)
+      p = mmap(nullptr, map_bytes_, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+    const int err = errno;
+    ::close(fd);
+    if (p == MAP_FAILED)
+      throw CommError("ringreduce: could not map rank " + std::to_string(r) + "'s shared memory " +
+                      n + " (" + (size_t(st.st_size) != map_bytes_
+                                      ? "size differs: is RINGREDUCE_SHM_BYTES the same on "
+                                        "every rank?"
+                                      : errno_text(err)) + ")");
+    Header* h = static_cast<Header*>(p);
+    headers_[size_t(r)] = h;
+    if (h->magic != kMagic || h->rank != r || h->nranks != nranks_)
+      throw CommError("ringreduce: rank " + std::to_string(r) + "'s shared memory " + n +
+                      " does not belong to this group (rank " + std::to_string(h->rank) +
+                      " of " + std::to_string(h->nranks) + "; expected rank " +
+                      std::to_string(r) + " of " + std::to_string(nranks_) + ")");
+  }
+}
+
+void HostGroup::unlink() {
+  if (linked_) {
+    shm_unlink(name_.c_str());
+    linked_ = false;
+  }
+}
+
+void HostGroup::close() {
+  if (closed_) return;
+  unlink();
+  Header* own = headers_[size_t(rank_)];
+  if (own != nullptr && own->state.load(std::memory_order_acquire) == kLive) {
+    std::snprintf(own->message, sizeof(own->message), "%s",
+                  "it closed its process group (destroy_process_group or exit)");
+    own->state.store(kClosed, std::memory_order_release);
+    own->wake.fetch_add(1, std::memory_order_seq_cst);
+    futex_wake_all(&own->wake);
+  }
+  for (Header*& h : headers_) {
+    if (h != nullptr) munmap(h, map_bytes_);
+    h = nullptr;
+  }
+  closed_ = true;
+}
+
+char* HostGroup::staging(int r) const {
+  return reinterpret_cast<char*>(headers_[size_t(r)]) + kHeaderBytes;
+}
+
+Ctx HostGroup::begin(Kind kind) {
+  if (closed_) throw CommError("ringreduce: " + std::string(kind_name(kind)) +
+                               " on a process group that was already destroyed");
+  Header* own = headers_[size_t(rank_)];
+  if (own->state.load(std::memory_order_acquire) != kLive)
+    throw CommError("ringreduce: " + std::string(kind_name(kind)) + " on rank " +
+                    std::to_string(rank_) + ": this process group failed earlier and cannot be "
+                    "used any more: " + own->message);
+  for (int r = 0; r < nranks_; ++r) {
+    if (headers_[size_t(r)] == nullptr)
+      throw CommError("ringreduce: " + std::string(kind_name(kind)) +
+                      " before every rank's shared memory was attached");
+  }
+  Ctx c;
+  c.kind = kind;
+  c.seq = ++seq_;
+  c.start = Clock::now();
+  c.deadline = c.start + timeout_;
+  return c;
+}
+
+void HostGroup::publish(uint64_t value) {
+  Header* own = headers_[size_t(rank_)];
+  own->progress.store(value, std::memory_order_seq_cst);
+  own->wake.fetch_add(1, std::memory_order_seq_cst);
+  if (own->waiters.load(std::memory_order_seq_cst) != 0) futex_wake_all(&own->wake);
+}
+
+bool HostGroup::peer_dead(int peer) const {
+  const Header* h = headers_[size_t(peer)];
+  if (h->pid_ns == 0 || h->pid_ns != own_pid_ns()) return false;
+  if (kill(pid_t(h->pid), 0) != 0 && errno == ESRCH) return true;
+  // A killed child that its parent has not reaped yet is a zombie: still "exists".
+  std::ifstream stat("/proc/" + std::to_string(h->pid) + "/stat");
+  std::string line;
+  if (!std::getline(stat, line)) return true;
+  const size_t paren = line.rfind(')');
+  if (paren == std::string::npos || paren + 2 >= line.size()) return false;
+  const char state = line[paren + 2];
+  return state == 'Z' || state == 'X';
+}
+
+std::string HostGroup::describe(const Ctx& ctx) const {
+  return std::string(kind_name(ctx.kind)) + " #" + std::to_string(ctx.seq) + " on rank " +
+         std::to_string(rank_);
+}
+
+std::string HostGroup::where_is(int peer) const {
+  const uint64_t at = headers_[size_t(peer)]->progress.load(std::memory_order_acquire);
+  if (at <= base_) return "has not started this collective";
+  return "is at step " + std::to_string(at - base_) + " of this phase";
+}
+
+void HostGroup::raise_peer_problem(int peer, uint64_t target, const Ctx& ctx,
+                                   const std::string& what, Problem problem) const {
+  const Header* h = headers_[size_t(peer)];
+  std::ostringstream s;
+  s << "ringreduce: " << describe(ctx);
+  const std::string who = "rank " + std::to_string(peer) + " (pid " + std::to_string(h->pid) + ")";
+  switch (problem) {
+    case Problem::Timeout:
+      s << " timed out after " << seconds(Clock::now() - ctx.start) << " waiting for " << who;
+      break;
+    case Problem::Exited: s << " failed: " << who << " exited"; break;
+    case Problem::Aborted: s << " failed: " << who << " failed"; break;
+    case Problem::Closed: s << " failed: " << who << " closed its process group"; break;
+  }
+  if (problem != Problem::Timeout) s << " while this rank waited for it";
+  s << " " << what << "; rank " << peer << " " << where_is(peer) << " (this rank needs step "
+    << (target - base_) << ")";
+  if (problem == Problem::Timeout) {
+    // The peer may itself be blocked: follow who waits for whom to the rank holding up the ring.
+    std::vector<bool> seen(size_t(nranks_), false);
+    seen[size_t(rank_)] = true;
+    int cur = peer;
+    while (!seen[size_t(cur)]) {
+      seen[size_t(cur)] = true;
+      const int next = headers_[size_t(cur)]->waiting_for.load(std::memory_order_acquire);
+      if (next < 0 || next >= nranks_ || seen[size_t(next)]) break;
+      s << "; rank " << cur << " is itself waiting for rank " << next << " (pid "
+        << headers_[size_t(next)]->pid << "), which " << where_is(next);
+      cur = next;
+    }
+  }
+  if (problem == Problem::Aborted) s << "; rank " << peer << " reports: " << h->message;
+  throw CommError(s.str());
+}
+
+void HostGroup::wait(int peer, uint64_t target, const Ctx& ctx, const std::string& what) const {
+  Header* h = headers_[size_t(peer)];
+  if (h->progress.load(std::memory_order_acquire) >= target) return;
+  for (int i = 0; i < 256; ++i) {
+    cpu_relax();
+    if (h->progress.load(std::memory_order_acquire) >= target) return;
+  }
+  for (int i = 0; i < 8; ++i) {
+    std::this_thread::yield();
+    if (h->progress.load(std::memory_order_acquire) >= target) return;
+  }
+  // Tells peers whom this rank is blocked on, for their timeout messages.
+  struct Mark {
+    std::atomic<int32_t>& slot;
+    Mark(std::atomic<int32_t>& s, int peer) : slot(s) { slot.store(peer, std::memory_order_release); }
+    ~Mark() { slot.store(-1, std::memory_order_release); }
+  } mark(headers_[size_t(rank_)]->waiting_for, peer);
+  auto next_liveness_check = Clock::now();
+  for (;;) {
+    const uint32_t w = h->wake.load(std::memory_order_seq_cst);
+    h->waiters.fetch_add(1, std::memory_order_seq_cst);
+    const bool ready = h->progress.load(std::memory_order_seq_cst) >= target;
+    const uint32_t st = h->state.load(std::memory_order_seq_cst);
+    const auto now = Clock::now();
+    if (!ready && st == kLive && now < ctx.deadline) {
+      const int64_t left = std::chrono::duration_cast<std::chrono::nanoseconds>(
+                               ctx.deadline - now).count();
+      futex_wait(&h->wake, w, left < 50000000 ? left : 50000000);
+    }
+    h->waiters.fetch_sub(1, std::memory_order_seq_cst);
+    if (h->progress.load(std::memory_order_acquire) >= target) return;
+    const uint32_t state = h->state.load(std::memory_order_acquire);
+    if (state == kAborted) raise_peer_problem(peer, target, ctx, what, Problem::Aborted);
+    if (state == kClosed) raise_peer_problem(peer, target, ctx, what, Problem::Closed);
+    const auto t = Clock::now();
+    if (t >= ctx.deadline) raise_peer_problem(peer, target, ctx, what, Problem::Timeout);
+    if (t >= next_liveness_check) {
+      if (peer_dead(peer)) raise_peer_problem(peer, target, ctx, what, Problem::Exited);
+      next_liveness_check = t + std::chrono::milliseconds(200);
+    }
+  }
+}
+
+void HostGroup::wait_all(uint64_t target, const Ctx& ctx, const std::string& what) const {
+  for (int i = 1; i < nranks_; ++i) wait((rank_ + i) % nranks_, target, ctx, what);
+}
+
+void HostGroup::set_desc(const Desc& d) { headers_[size_t(rank_)]->desc = d; }
+
+void HostGroup::check_desc(int peer, const Ctx& ctx) const {
+  const Desc& a = headers_[size_t(rank_)]->desc;
+  const Desc& b = headers_[size_t(peer)]->desc;
+  if (a.seq == b.seq && a.kind == b.kind && a.dtype == b.dtype && a.op == b.op &&
+      a.root == b.root && a.count == b.count && a.round == b.round &&
+      (a.device < 0) == (b.device < 0))
+    return;
+  std::ostringstream s;
+  s << "ringreduce: " << describe(ctx) << ": ranks disagree: rank " << rank_ << " called "
+    << desc_text(a) << " but rank " << peer << " called " << desc_text(b)
+    << " (every rank must make the same collectives in the same order, with the same number "
+       "of elements, dtype, op and root)";
+  throw CommError(s.str());
+}
+
+void HostGroup::fail(const std::string& msg) {
+  if (closed_) return;
+  Header* own = headers_[size_t(rank_)];
+  if (own->state.load(std::memory_order_acquire) != kLive) return;
+  std::snprintf(own->message, sizeof(own->message), "%s", msg.c_str());
+  own->state.store(kAborted, std::memory_order_seq_cst);
+  own->wake.fetch_add(1, std::memory_order_seq_cst);
+  futex_wake_all(&own->wake);
+}
+
+}  // namespace dist
+}  // namespace rr

@@ -1,0 +1,197 @@
+// Host-side rendezvous and synchronisation for the multi-process executors. Torch-free.
+//
+// Every rank creates one POSIX shared-memory segment: a header (progress counter, state, the
+// descriptor of the collective it is in, CUDA IPC handles) followed by a staging area for CPU
+// tensors. Ranks exchange segment names through the process group's store, map every peer's
+// segment, and unlink their own as soon as every peer has mapped it, so nothing is left in
+// /dev/shm once the group is up, whatever happens to the processes afterwards.
+//
+// Synchronisation is one monotone 64-bit counter per rank (`progress`). Every rank runs the
+// same sequence of collectives, each a sequence of phases, and each phase advances every
+// rank's counter by the same amount, so all ranks agree on the value a counter must reach
+// ("rank p has finished step k of this phase" is "progress[p] >= base + k + 1"). A rank writes
+// its data, then publishes with a release store; a reader waits with acquire loads, so what
+// the writer wrote before publishing is visible. Waiters sleep on a futex next to the counter.
+//
+// Every wait is bounded by the group's timeout, measured from the start of the collective, and
+// fails naming the collective, the peer and the step. A rank whose collective fails marks its
+// header aborted with the message, so its neighbours fail at once instead of timing out too.
+#pragma once
+
+#include <atomic>
+#include <chrono>
+#include <cstdint>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+namespace rr {
+namespace dist {
+
+constexpr int kMaxRanks = 64;
+constexpr int kIpcHandleBytes = 64;            // sizeof(cudaIpc{Mem,Event}Handle_t)
+constexpr int kMaxEvents = 2 * kMaxRanks + 2;  // a ring phase records 2N - 1 events
+
+enum class Kind : int32_t {
+  None = 0, AllReduce, Broadcast, AllGather, ReduceScatter, Barrier, CudaSetup
+};
+const char* kind_name(Kind k);
+
+// What a rank is doing in the current phase. Written before the phase's first publish, read by
+// peers after it, so that ranks that disagree (shape, dtype, op, root, collective) fail with a
+// message instead of exchanging garbage.
+struct Desc {
+  uint64_t seq;     // collective number in this group, from 1
+  int32_t kind;     // Kind
+  int32_t dtype;    // rr::DType, -1 for byte collectives
+  int32_t op;       // rr::Op, -1 where there is none
+  int32_t root;     // broadcast root, -1 otherwise
+  int64_t count;    // elements (or bytes for byte collectives) per rank
+  int64_t round;    // round within the collective (large CPU tensors go in rounds)
+  int32_t device;   // -1: host memory; otherwise the CUDA ordinal of the rank's buffer
+  int32_t pad;
+};
+
+inline Desc make_desc(uint64_t seq, Kind kind, int dtype, int op, int root, int64_t count,
+                      int64_t round, int device) {
+  Desc d{};
+  d.seq = seq;
+  d.kind = int32_t(kind);
+  d.dtype = dtype;
+  d.op = op;
+  d.root = root;
+  d.count = count;
+  d.round = round;
+  d.device = device;
+  return d;
+}
+
+struct IpcSlot {
+  unsigned char bytes[kIpcHandleBytes];
+};
+
+// CUDA state a rank shares with its peers (opaque bytes here, so this header stays CUDA-free).
+struct CudaArea {
+  int32_t device;            // ordinal of the rank's GPU
+  int32_t nevents;           // IPC events exported in `events`
+  uint64_t device_uuid[2];   // cudaDeviceProp::uuid, to tell "same GPU" across processes
+  IpcSlot events[kMaxEvents];
+  IpcSlot mem;               // IPC handle of the allocation holding the current buffer
+  int64_t mem_offset;        // byte offset of the buffer inside that allocation
+};
+
+enum : uint32_t { kLive = 0, kAborted = 1, kClosed = 2 };
+
+struct alignas(64) Header {
+  uint64_t magic;
+  int32_t rank;
+  int32_t nranks;
+  int64_t pid;
+  uint64_t pid_ns;   // inode of /proc/self/ns/pid: liveness checks only within one namespace
+  int64_t capacity;  // bytes of staging area after the header
+  alignas(64) std::atomic<uint64_t> progress;
+  alignas(64) std::atomic<uint32_t> wake;     // futex word, bumped on every publish
+  std::atomic<uint32_t> waiters;              // peers sleeping on `wake`
+  alignas(64) std::atomic<int32_t> waiting_for;  // the rank this one is blocked on, or -1
+  alignas(64) std::atomic<uint32_t> state;    // kLive / kAborted / kClosed
+  char message[1024];                         // why, when not kLive
+  alignas(64) Desc desc;
+  alignas(64) CudaArea cuda;
+};
+
+// Thrown for every failure that involves another rank (timeouts, dead or failed peers,
+// mismatched arguments). The binding turns it into a Python RuntimeError.
+class CommError : public std::runtime_error {
+ public:
+  using std::runtime_error::runtime_error;
+};
+
+// One collective in progress: its name and number, for messages, and its deadline.
+struct Ctx {
+  Kind kind;
+  uint64_t seq;
+  std::chrono::steady_clock::time_point start;
+  std::chrono::steady_clock::time_point deadline;
+};
+
+class HostGroup {
+ public:
+  // Creates this rank's segment with `capacity` bytes of staging area. `tag` makes the name
+  // unique to this group's incarnation (the same on every rank).
+  HostGroup(int rank, int nranks, int64_t capacity, double timeout_s, const std::string& tag);
+  ~HostGroup();
+  HostGroup(const HostGroup&) = delete;
+  HostGroup& operator=(const HostGroup&) = delete;
+
+  const std::string& name() const { return name_; }
+  int rank() const { return rank_; }
+  int nranks() const { return nranks_; }
+  int64_t capacity() const { return capacity_; }
+  void set_timeout(double seconds);
+
+  // Maps every peer's segment (names[r] is rank r's); checks each header.
+  void attach(const std::vector<std::string>& names);
+  // Removes this rank's segment name; the memory lives on while anyone has it mapped.
+  void unlink();
+  // Marks this rank closed (peers still waiting on it fail at once) and unmaps everything.
+  void close();
+  bool closed() const { return closed_; }
+
+  Header* header(int r) const { return headers_[r]; }
+  char* staging(int r) const;
+
+  // Starts a collective: checks that this group is usable and returns its context.
+  Ctx begin(Kind kind);
+  // Progress value at the start of the next phase; `end_phase(n)` moves past a phase of n steps.
+  uint64_t base() const { return base_; }
+  void end_phase(uint64_t n) { base_ += n; }
+
+  void publish(uint64_t value);
+  // Waits until rank `peer` has published `target`. `what` describes the step for messages.
+  void wait(int peer, uint64_t target, const Ctx& ctx, const std::string& what) const;
+  // Waits until every rank has published `target` (skipping this one).
+  void wait_all(uint64_t target, const Ctx& ctx, const std::string& what) const;
+
+  // Writes this rank's descriptor for the phase about to be published.
+  void set_desc(const Desc& d);
+  // Throws a CommError if rank `peer`'s descriptor disagrees with this rank's.
+  void check_desc(int peer, const Ctx& ctx) const;
+
+  // Marks this rank aborted with `msg` and wakes its waiters; later collectives fail at once.
+  void fail(const std::string& msg);
+  std::string describe(const Ctx& ctx) const;  // "all_reduce #3 on rank 1"
+
+ private:
+  enum class Problem { Timeout, Exited, Aborted, Closed };
+  [[noreturn]] void raise_peer_problem(int peer, uint64_t target, const Ctx& ctx,
+                                       const std::string& what, Problem problem) const;
+  bool peer_dead(int peer) const;
+  std::string where_is(int peer) const;  // "is at step 2 of this phase" etc.
+
+  int rank_;
+  int nranks_;
+  int64_t capacity_;
+  std::chrono::nanoseconds timeout_;
+  std::string name_;
+  size_t map_bytes_ = 0;
+  std::vector<Header*> headers_;
+  bool linked_ = false;
+  bool closed_ = false;
+  uint64_t base_ = 0;
+  uint64_t seq_ = 0;
+};
+
+// Runs one collective's body; on any failure marks this rank aborted (so peers waiting on it
+// fail at once, naming it) and rethrows.
+template <typename F>
+void guarded(HostGroup& g, F&& body) {
+  try {
+    body();
+  } catch (const std::exception& e) {
+    g.fail(e.what());
+    throw;
+  }
+}
+
+}  // namespace dist
+}  // namespace rr

@@ -1,0 +1,440 @@
+"""The "ringreduce" torch.distributed backend, with real processes (spawned ranks, 1 to 4).
+
+Each test starts its ranks once and runs many checks inside them (starting a rank costs a
+torch import): results against the single-process core (bit for bit) and independent
+references, DDP against gloo, faults (killed, hung, absent ranks; mismatched arguments), and
+/dev/shm left clean. GPU variants run every rank on cuda:0 and skip without a GPU.
+"""
+import datetime
+import glob
+import os
+import signal
+import subprocess
+import sys
+import time
+import traceback
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+import ringreduce
+from ringreduce.distributed import register_backend
+
+from reference import ALL_DTYPES, assert_close_to_wide, random_inputs, ring_model, valid_ops
+
+SPAWN_TIMEOUT = 180
+NEEDS_GPU = pytest.mark.skipif(not torch.cuda.is_available(),
+                               reason="needs a CUDA GPU (several ranks share cuda:0)")
+
+
+def _shm_names():
+    return set(glob.glob("/dev/shm/ringreduce-*"))
+
+
+def _entry(fn, rank, world, store, queue, env, args):
+    os.environ.update(env)
+    try:
+        torch.set_num_threads(1)
+        register_backend()
+        queue.put((rank, "ok", fn(rank, world, store, *args)))
+    except BaseException:
+        queue.put((rank, "error", traceback.format_exc()))
+
+
+def run_ranks(fn, world, tmp_path, *args, start=None, env=None):
+    """Runs fn(rank, world, store_path, *args) in `world` spawned processes (only the ranks in
+    `start` when given) and returns {rank: ("ok", value) or ("error", traceback)}."""
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    store = str(tmp_path / f"store-{time.monotonic_ns()}")
+    ranks = range(world) if start is None else start
+    procs = {r: ctx.Process(target=_entry, args=(fn, r, world, store, queue, env or {}, args))
+             for r in ranks}
+    for p in procs.values():
+        p.start()
+    results = {}
+    deadline = time.monotonic() + SPAWN_TIMEOUT
+    try:
+        while len(results) < len(procs) and time.monotonic() < deadline:
+            try:
+                rank, status, value = queue.get(timeout=1.0)
+                results[rank] = (status, value)
+            except Exception:
+                dead = [r for r, p in procs.items() if p.exitcode is not None and r not in results]
+                if dead and all(procs[r].exitcode != 0 for r in dead):
+                    for r in dead:
+                        results[r] = ("died", procs[r].exitcode)
+    finally:
+        for p in procs.values():
+            p.join(timeout=10)
+            if p.is_alive():
+                p.kill()
+                p.join()
+    missing = [r for r in procs if r not in results]
+    assert not missing, f"ranks {missing} did not report within {SPAWN_TIMEOUT} s"
+    return results
+
+
+def values(results):
+    bad = {r: v for r, (s, v) in results.items() if s != "ok"}
+    assert not bad, "\n".join(f"rank {r}:\n{v}" for r, v in sorted(bad.items()))
+    return [results[r][1] for r in sorted(results)]
+
+
+def init(rank, world, store, backend="ringreduce", timeout=30.0):
+    dist.init_process_group(backend, init_method=f"file://{store}", rank=rank,
+                            world_size=world, timeout=datetime.timedelta(seconds=timeout))
+
+
+# ---------------------------------------------------------------------------------------
+# Correctness sweep: every collective, dtype, op and awkward size against references.
+
+SIZES = (0, 1, 7, 33, 1000, 4099)
+
+
+def _collectives_sweep(rank, world, store, device):
+    init(rank, world, store)
+    pg = dist.group.WORLD
+    assert pg.getBackendName() == "ringreduce", pg.getBackendName()
+    leftover = [n for n in _shm_names() if n.endswith(f"-r{rank}") and f"-{os.getpid()}-" in n]
+    assert not leftover, f"segment still linked after init: {leftover}"
+    checked = 0
+    for dtype in ALL_DTYPES:
+        for op in valid_ops(dtype):
+            for count in SIZES:
+                g = torch.Generator().manual_seed(1000 + checked)
+                inputs = random_inputs(world, count, dtype, op, generator=g)
+                mine = inputs[rank].clone().to(device)
+                dist.all_reduce(mine, op=getattr(dist.ReduceOp, {"prod": "PRODUCT"}.get(
+                    op, op.upper())))
+                mine = mine.cpu()
+                core = [t.clone() for t in inputs]
+                ringreduce.all_reduce(core, op)
+                assert torch.equal(mine, core[0]), f"{dtype} {op} n={count}: differs from core"
+                assert torch.equal(mine, ring_model(inputs, op)), f"{dtype} {op} n={count}"
+                if count:
+                    assert_close_to_wide(mine, inputs, op)
+                checked += 1
+    # A 2-D, non-contiguous tensor: reduced through a contiguous copy, written back in place.
+    base = torch.arange(24, dtype=torch.float64, device=device).reshape(4, 6) * (rank + 1)
+    view = base.t()
+    dist.all_reduce(view)
+    expect = torch.arange(24, dtype=torch.float64).reshape(4, 6).t() * (world * (world + 1) // 2)
+    assert torch.equal(view.cpu(), expect)
+
+    for root in range(world):
+        for count in (0, 5, 3001):
+            t = torch.full((count,), float(rank * 10 + 1), device=device)
+            dist.broadcast(t, src=root)
+            assert torch.equal(t.cpu(), torch.full((count,), float(root * 10 + 1)))
+
+    poison = -12345
+    for count in (0, 3, 4099):
+        mine = torch.arange(count, dtype=torch.int64, device=device) + 1000 * rank
+        outs = [torch.full((count,), poison, dtype=torch.int64, device=device)
+                for _ in range(world)]
+        dist.all_gather(outs, mine)
+        for r in range(world):
+            assert torch.equal(outs[r].cpu(), torch.arange(count) + 1000 * r)
+        flat = torch.full((world * count,), poison, dtype=torch.int64, device=device)
+        dist.all_gather_into_tensor(flat, mine)
+        assert torch.equal(flat.cpu(), torch.cat([torch.arange(count) + 1000 * r
+                                                  for r in range(world)]))
+
+    for dtype in (torch.int32, torch.float64, torch.float32):
+        for op in ("sum", "max", "prod", "avg"):
+            if op == "avg" and not dtype.is_floating_point:
+                continue
+            count = 1031
+            g = torch.Generator().manual_seed(7)
+            full = [t.reshape(world, count)
+                    for t in random_inputs(world, world * count, dtype, op, generator=g)]
+            reduce_op = getattr(dist.ReduceOp, {"prod": "PRODUCT"}.get(op, op.upper()))
+            out = torch.full((count,), 7, dtype=dtype, device=device)
+            dist.reduce_scatter_tensor(out, full[rank].reshape(-1).to(device), op=reduce_op)
+            seg = [full[q][rank] for q in range(world)]
+            expect = seg[0].clone()
+            for q in range(1, world):
+                expect = _combine_like_core(expect, seg[q], op, q == world - 1, world)
+            assert torch.equal(out.cpu(), expect), f"reduce_scatter_tensor {dtype} {op}"
+            out_list = torch.full((count,), 7, dtype=dtype, device=device)
+            dist.reduce_scatter(out_list, [s.to(device) for s in full[rank]], op=reduce_op)
+            assert torch.equal(out_list.cpu(), expect), f"reduce_scatter {dtype} {op}"
+            if count and dtype == torch.float64:
+                assert_close_to_wide(out.cpu(), seg, op)
+
+    t = torch.full((11,), float(rank + 1), device=device)
+    dist.reduce(t, dst=world - 1)
+    if rank == world - 1:
+        assert torch.equal(t.cpu(), torch.full((11,), float(world * (world + 1) // 2)))
+    else:
+        assert torch.equal(t.cpu(), torch.full((11,), float(rank + 1)))
+
+    objs = [None] * world
+    dist.all_gather_object(objs, {"rank": rank})
+    assert objs == [{"rank": r} for r in range(world)]
+
+    # Back-to-back collectives of every kind with no pause: a rank that races ahead into the
+    # next one must not disturb peers still finishing this one.
+    for i in range(40):
+        t = torch.full((3 + i % 5,), float(rank + i), device=device)
+        dist.all_reduce(t)
+        assert torch.equal(t.cpu(), torch.full_like(t.cpu(), float(world * i + world *
+                                                                    (world - 1) // 2)))
+        dist.barrier()
+        b = torch.full((2,), float(rank), device=device)
+        dist.broadcast(b, src=i % world)
+        assert torch.equal(b.cpu(), torch.full((2,), float(i % world)))
+        outs = [torch.zeros(1, device=device) for _ in range(world)]
+        dist.all_gather(outs, torch.full((1,), float(rank * i), device=device))
+        assert [float(o) for o in outs] == [float(r * i) for r in range(world)]
+        dist.barrier()
+    work = dist.all_reduce(torch.ones(3, device=device), async_op=True)
+    work.wait()
+    dist.barrier()
+    dist.destroy_process_group()
+    assert pg._comm.closed
+    return checked
+
+
+def _combine_like_core(acc, incoming, op, last, n):
+    """One reduce hop in the core's arithmetic (16-bit floats are not used here)."""
+    if op in ("sum", "avg"):
+        r = acc + incoming
+    elif op == "prod":
+        r = acc * incoming
+    elif op == "max":
+        r = torch.maximum(acc, incoming)
+    else:
+        r = torch.minimum(acc, incoming)
+    if op == "avg" and last:
+        r = r / n
+    return r.to(acc.dtype)
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
+def test_collectives_cpu(tmp_path, world):
+    before = _shm_names()
+    # A small staging area makes the larger sizes go in several rounds.
+    out = values(run_ranks(_collectives_sweep, world, tmp_path, "cpu",
+                           env={"RINGREDUCE_SHM_BYTES": "8192"}))
+    assert out[0] > 0
+    assert _shm_names() <= before, f"left in /dev/shm: {_shm_names() - before}"
+
+
+@NEEDS_GPU
+@pytest.mark.parametrize("world", [2, 3])
+def test_collectives_cuda_shared_gpu(tmp_path, world):
+    values(run_ranks(_collectives_sweep, world, tmp_path, "cuda:0"))
+
+
+# ---------------------------------------------------------------------------------------
+# DDP: the same training under ringreduce and under gloo.
+
+def _small_net():
+    return torch.nn.Sequential(
+        torch.nn.Conv2d(1, 4, 3, padding=1), torch.nn.BatchNorm2d(4), torch.nn.ReLU(),
+        torch.nn.Flatten(), torch.nn.Linear(4 * 6 * 6, 5))
+
+
+def _ddp_train(rank, world, store, device):
+    init(rank, world, store)
+    gloo = dist.new_group(backend="gloo")
+    results = {}
+    for name, group in (("ringreduce", None), ("gloo", gloo)):
+        torch.manual_seed(1234 + rank)  # different initial weights: DDP must broadcast rank 0's
+        model = _small_net().to(device)
+        ddp = torch.nn.parallel.DistributedDataParallel(model, process_group=group,
+                                                        bucket_cap_mb=0.001)
+        opt = torch.optim.SGD(ddp.parameters(), lr=0.1, momentum=0.9)
+        g = torch.Generator().manual_seed(99 + rank)
+        for _ in range(4):
+            x = torch.randn(8, 1, 6, 6, generator=g).to(device)
+            y = torch.randint(0, 5, (8,), generator=g).to(device)
+            opt.zero_grad()
+            torch.nn.functional.cross_entropy(ddp(x), y).backward()
+            opt.step()
+        results[name] = [p.detach().cpu().clone() for p in model.state_dict().values()]
+    ring, ref = results["ringreduce"], results["gloo"]
+    # Two ranks: a + b is exact in either order, so the trainings agree bit for bit.
+    same = all(torch.equal(a, b) for a, b in zip(ring, ref))
+    close = all(torch.allclose(a.double(), b.double(), rtol=1e-5, atol=1e-6)
+                for a, b in zip(ring, ref))
+    # Buffers (BatchNorm running statistics) stay per rank; parameters must be replicas.
+    params = [p.detach().cpu() for p in model.parameters()]
+    objs = [None] * world
+    dist.all_gather_object(objs, [p.double().sum().item() for p in params])
+    dist.destroy_process_group()
+    return same, close, objs
+
+
+def test_ddp_matches_gloo(tmp_path):
+    out = values(run_ranks(_ddp_train, 2, tmp_path, "cpu"))
+    for same, close, objs in out:
+        assert same, "DDP under ringreduce differs from DDP under gloo"
+        assert close
+        assert objs[0] == objs[1], "replicas diverged"
+
+
+@NEEDS_GPU
+def test_ddp_cuda_shared_gpu(tmp_path):
+    for same, close, objs in values(run_ranks(_ddp_train, 2, tmp_path, "cuda:0")):
+        assert close and objs[0] == objs[1]
+
+
+# ---------------------------------------------------------------------------------------
+# API surface: registration, backend strings, unsupported collectives and ops.
+
+def test_import_registers_backend():
+    code = ("import ringreduce, torch.distributed as dist; "
+            "assert 'ringreduce' in dist.Backend.backend_list, dist.Backend.backend_list; "
+            "from ringreduce.distributed import register_backend; "
+            "assert register_backend() and register_backend()")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0, ("`import ringreduce` must register the backend "
+                                  f"(ringreduce/__init__.py):\n{proc.stderr}")
+
+
+def _api_surface(rank, world, store):
+    init(rank, world, store, backend="cpu:gloo,cuda:ringreduce")
+    t = torch.full((5,), float(rank + 1))
+    dist.all_reduce(t)
+    assert torch.equal(t, torch.full((5,), 3.0))
+    assert isinstance(dist.group.WORLD, ringreduce.distributed.RingReduceProcessGroup)
+    errors = {}
+    for name, call in (
+            ("send", lambda: dist.send(torch.ones(1), dst=1 - rank)),
+            ("gather", lambda: dist.gather(torch.ones(1), [torch.ones(1)] * world
+                                           if rank == 0 else None, dst=0)),
+            ("all_to_all_single", lambda: dist.all_to_all_single(torch.ones(2), torch.ones(2))),
+            ("BAND", lambda: dist.all_reduce(torch.ones(2, dtype=torch.int32),
+                                             op=dist.ReduceOp.BAND)),
+            ("avg on int", lambda: dist.all_reduce(torch.ones(2, dtype=torch.int32),
+                                                   op=dist.ReduceOp.AVG)),
+            ("bool", lambda: dist.all_reduce(torch.ones(2, dtype=torch.bool)))):
+        try:
+            call()
+            errors[name] = None
+        except (RuntimeError, ValueError, TypeError) as exc:
+            errors[name] = f"{type(exc).__name__}: {exc}"
+    # Bad arguments are caught before any rank communicates, so the group still works.
+    t = torch.ones(3)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    dist.destroy_process_group()
+    return errors
+
+
+def test_backend_spec_and_unsupported(tmp_path):
+    for errors in values(run_ranks(_api_surface, 2, tmp_path)):
+        assert "'send'" in errors["send"] and "not supported" in errors["send"]
+        assert "'gather'" in errors["gather"]
+        assert "'all_to_all_single'" in errors["all_to_all_single"]
+        assert errors["BAND"].startswith("ValueError") and "BAND" in errors["BAND"]
+        assert errors["avg on int"].startswith("TypeError") and "avg" in errors["avg on int"]
+        assert errors["bool"].startswith("TypeError") and "dtype" in errors["bool"]
+
+
+# ---------------------------------------------------------------------------------------
+# Faults: every one ends in an error naming the collective and the peer, within the timeout.
+
+FAULT_TIMEOUT = 6.0
+
+
+def _mismatch(rank, world, store):
+    init(rank, world, store, timeout=FAULT_TIMEOUT)
+    messages = []
+    for case in ("count", "dtype", "op", "collective"):
+        group = dist.new_group(backend="ringreduce", timeout=datetime.timedelta(
+            seconds=FAULT_TIMEOUT))
+        t = torch.ones(10 + (rank if case == "count" else 0),
+                       dtype=torch.float64 if case == "dtype" and rank else torch.float32)
+        op = dist.ReduceOp.MAX if case == "op" and rank else dist.ReduceOp.SUM
+        start = time.monotonic()
+        try:
+            if case == "collective" and rank == 1:
+                dist.broadcast(t, src=0, group=group)
+            else:
+                dist.all_reduce(t, op=op, group=group)
+            messages.append((case, None, 0.0))
+        except RuntimeError as exc:
+            messages.append((case, str(exc), time.monotonic() - start))
+        try:
+            dist.all_reduce(torch.ones(1), group=group)
+            messages.append((case + " reuse", None, 0.0))
+        except RuntimeError as exc:
+            messages.append((case + " reuse", str(exc), 0.0))
+    dist.destroy_process_group()
+    return messages
+
+
+def test_mismatched_arguments_fail_clearly(tmp_path):
+    for rank, messages in enumerate(values(run_ranks(_mismatch, 2, tmp_path))):
+        for case, msg, elapsed in messages:
+            assert msg is not None, f"rank {rank}: {case} mismatch was not detected"
+            assert elapsed < FAULT_TIMEOUT
+            if case.endswith("reuse"):
+                assert "failed earlier" in msg, msg
+                continue
+            assert "disagree" in msg or "failed while this rank waited" in msg, msg
+        text = " ".join(m for _, m, _ in messages)
+        assert "count=10" in text and "count=11" in text
+        assert "dtype=float32" in text and "dtype=float64" in text
+        assert "op=sum" in text and "op=max" in text
+        assert "broadcast" in text
+
+
+def _killed(rank, world, store, mode):
+    init(rank, world, store, timeout=FAULT_TIMEOUT)
+    t = torch.ones(1000)
+    dist.all_reduce(t)
+    if rank == world - 1:
+        if mode == "kill":
+            os.kill(os.getpid(), signal.SIGKILL)
+        time.sleep(FAULT_TIMEOUT + 3)  # "hang": alive, but never joins the next collective
+        return None
+    start = time.monotonic()
+    try:
+        dist.all_reduce(t)
+        return ("no error", 0.0)
+    except RuntimeError as exc:
+        return (str(exc), time.monotonic() - start)
+
+
+@pytest.mark.parametrize("mode", ["kill", "hang"])
+def test_lost_rank_fails_within_timeout(tmp_path, mode):
+    world = 3
+    before = _shm_names()
+    results = run_ranks(_killed, world, tmp_path, mode)
+    if mode == "kill":
+        assert results[world - 1][0] == "died"
+    for rank in range(world - 1):
+        status, value = results[rank]
+        assert status == "ok", value
+        msg, elapsed = value
+        assert "all_reduce" in msg and f"rank {world - 1}" in msg, msg
+        assert elapsed < FAULT_TIMEOUT + 2.0, f"took {elapsed:.1f} s: {msg}"
+        if mode == "kill":
+            assert "exited" in msg, msg
+        else:
+            assert "timed out" in msg, msg
+    assert _shm_names() <= before, f"left in /dev/shm: {_shm_names() - before}"
+
+
+def _absent(rank, world, store):
+    start = time.monotonic()
+    try:
+        init(rank, world, store, timeout=3.0)
+        return ("joined", 0.0)
+    except RuntimeError as exc:
+        return (str(exc), time.monotonic() - start)
+
+
+def test_rank_that_never_joins(tmp_path):
+    before = _shm_names()
+    for msg, elapsed in values(run_ranks(_absent, 3, tmp_path, start=[0, 1])):
+        assert "rank(s) 2 did not join" in msg, msg
+        assert elapsed < 3.0 + 5.0
+    assert _shm_names() <= before, f"left in /dev/shm: {_shm_names() - before}"

@@ -33,6 +33,7 @@ if _HERE not in sys.path:
 
 import common  # noqa: E402  (bench/ is not a package; common.py sits beside this file)
 import torch  # noqa: E402
+from ringreduce.nccl import MULTI_RANK_MIN_VERSION, NCCL_OPS, LibNccl  # noqa: E402
 
 DTYPES = {
     "float32": torch.float32, "float64": torch.float64, "float16": torch.float16,
@@ -44,17 +45,8 @@ OPS = ("sum", "avg", "max", "min", "prod")
 DEFAULT_MAX_BYTES = {"cuda": common.GiB, "cpu": 64 * common.MiB}
 DEFAULT_ITERS = {"cuda": (20, 5), "cpu": (10, 2)}  # (timed iterations, warm-up iterations)
 SIMULATED_RANKS = 4   # default rank count on one GPU and on CPU
-NCCL_MULTI_RANK_MIN = (2, 30)
 NCCL_PROBE_TIMEOUT_S = 180
 NCCL_PROBE_FLAG = "--nccl-probe"
-
-# ncclDataType_t and ncclRedOp_t values from nccl.h (stable since NCCL 2.10, which added
-# bfloat16 and ncclAvg).
-NCCL_TYPES = {
-    torch.int8: 0, torch.uint8: 1, torch.int32: 2, torch.int64: 4,
-    torch.float16: 6, torch.float32: 7, torch.float64: 8, torch.bfloat16: 9,
-}
-NCCL_OPS = {"sum": 0, "prod": 1, "max": 2, "min": 3, "avg": 4}
 
 IMPL_COLUMNS = [
     common.Column("time", "(us)", 10, ".2f"),
@@ -360,103 +352,6 @@ class TorchNccl:
         self._nccl.all_reduce(tensors, op=self._op)
 
 
-def load_libnccl():
-    """The NCCL library torch itself loaded (found in /proc/self/maps), else libnccl.so.2."""
-    import ctypes
-    candidates = []
-    try:
-        with open("/proc/self/maps") as f:
-            for line in f:
-                path = line.split()[-1]
-                if "libnccl.so" in os.path.basename(path) and path not in candidates:
-                    candidates.append(path)
-    except OSError:
-        pass
-    candidates += ["libnccl.so.2", "libnccl.so"]
-    errors = []
-    for c in candidates:
-        try:
-            lib = ctypes.CDLL(c)
-            lib.ncclGetVersion  # noqa: B018  (raises AttributeError when the symbol is absent)
-            return lib, c
-        except (OSError, AttributeError) as e:
-            errors.append(f"{c}: {e}")
-    raise RuntimeError("cannot load libnccl: " + "; ".join(errors))
-
-
-class LibNccl:
-    """NCCL called directly through ctypes, for ranks that share a GPU: one communicator per
-    rank from ncclCommInitAll with the device repeated, one all-reduce per rank in a group."""
-
-    def __init__(self, devices: list[int], dtype: torch.dtype, op: str):
-        import ctypes as C
-        self._C = C
-        lib, self.path = load_libnccl()
-        lib.ncclGetErrorString.restype = C.c_char_p
-        lib.ncclGetErrorString.argtypes = [C.c_int]
-        self._last_error = getattr(lib, "ncclGetLastError", None)
-        if self._last_error is not None:
-            self._last_error.restype = C.c_char_p
-            self._last_error.argtypes = [C.c_void_p]
-        lib.ncclGetVersion.argtypes = [C.POINTER(C.c_int)]
-        lib.ncclCommInitAll.argtypes = [C.POINTER(C.c_void_p), C.c_int, C.POINTER(C.c_int)]
-        lib.ncclAllReduce.argtypes = [C.c_void_p, C.c_void_p, C.c_size_t, C.c_int, C.c_int,
-                                      C.c_void_p, C.c_void_p]
-        lib.ncclCommDestroy.argtypes = [C.c_void_p]
-        for f in (lib.ncclGetVersion, lib.ncclCommInitAll, lib.ncclAllReduce,
-                  lib.ncclCommDestroy, lib.ncclGroupStart, lib.ncclGroupEnd):
-            f.restype = C.c_int
-        self._lib = lib
-        v = C.c_int(0)
-        self._check(lib.ncclGetVersion(C.byref(v)), "ncclGetVersion")
-        code = v.value  # 2.9+: major*10000 + minor*100 + patch
-        self.version = (code // 10000, code // 100 % 100, code % 100)
-        self.devices = list(devices)
-        self._dtype = NCCL_TYPES[dtype]
-        self._op = NCCL_OPS[op]
-        n = len(self.devices)
-        self._comms = (C.c_void_p * n)()
-        self._check(lib.ncclCommInitAll(self._comms, n, (C.c_int * n)(*self.devices)),
-                    f"ncclCommInitAll(ndev={n}, devlist={self.devices})")
-        # Ranks wait for each other inside NCCL's kernels, so ranks that share a GPU must not
-        # be queued one behind another on one stream: each gets its own stream, forked from
-        # and joined back to the device's current stream (which the caller times and orders by).
-        self._streams = [torch.cuda.Stream(device=d) for d in self.devices]
-
-    def _check(self, result: int, what: str) -> None:
-        if result != 0:
-            msg = self._lib.ncclGetErrorString(result).decode(errors="replace")
-            last = self._last_error(None) if self._last_error is not None else None
-            detail = f" ({last.decode(errors='replace')})" if last else ""
-            raise RuntimeError(f"{what} failed: NCCL error {result}: {msg}{detail}")
-
-    def __call__(self, tensors):
-        C = self._C
-        for d, s in zip(self.devices, self._streams):
-            s.wait_stream(torch.cuda.current_stream(d))
-        self._check(self._lib.ncclGroupStart(), "ncclGroupStart")
-        first_error = None
-        for r, t in enumerate(tensors):
-            ptr = C.c_void_p(t.data_ptr())
-            res = self._lib.ncclAllReduce(ptr, ptr, C.c_size_t(t.numel()), self._dtype, self._op,
-                                          self._comms[r], C.c_void_p(self._streams[r].cuda_stream))
-            if res != 0:
-                first_error = (res, f"ncclAllReduce(rank {r})")
-                break
-        end = self._lib.ncclGroupEnd()
-        if first_error is not None:
-            self._check(*first_error)
-        self._check(end, "ncclGroupEnd")
-        for d, s in zip(self.devices, self._streams):
-            torch.cuda.current_stream(d).wait_stream(s)
-
-    def close(self):
-        for d in set(self.devices):
-            torch.cuda.synchronize(d)
-        for comm in self._comms:
-            self._lib.ncclCommDestroy(comm)
-
-
 def torch_nccl_accepts(cfg: Config) -> bool:
     """torch.cuda.nccl.is_available() for tensors laid out like this run's ranks. False when
     ranks share a GPU: torch's NCCL binding takes one tensor per device."""
@@ -490,7 +385,7 @@ def _probe_nccl_in_child(cfg: Config) -> str | None:
 
 def nccl_probe_main(cfg: Config) -> int:
     """Child side of _probe_nccl_in_child."""
-    impl = LibNccl([d.index for d in cfg.rank_devices], cfg.dtype, cfg.op)
+    impl = LibNccl([d.index for d in cfg.rank_devices], cfg.op)
     count = 4099
     inputs = make_inputs(cfg, count, seed=12345)
     ref = make_reference(cfg, inputs)
@@ -543,7 +438,7 @@ def setup_nccl(cfg: Config) -> tuple[Impl | None, Unavailable | None, dict]:
     info["route"] = "libnccl via ctypes (ncclCommInitAll with the GPU repeated)"
     why_torch = ("torch.cuda.nccl takes one tensor per GPU (is_available() is False here; "
                  "all_reduce raises \"inputs must be on unique devices\")")
-    if version < NCCL_MULTI_RANK_MIN:
+    if version < MULTI_RANK_MIN_VERSION:
         return no(f"NCCL {vtext} < 2.30",
                   f"NCCL {vtext} is older than 2.30 and refuses several ranks on one GPU "
                   f"(\"Duplicate GPU detected\"); {why_torch}")
@@ -552,7 +447,7 @@ def setup_nccl(cfg: Config) -> tuple[Impl | None, Unavailable | None, dict]:
         return no("NCCL failed (see header)", f"NCCL {vtext} with "
                   f"NCCL_MULTI_RANK_GPU_ENABLE={info['NCCL_MULTI_RANK_GPU_ENABLE']}: {reason}")
     try:
-        lib = LibNccl(devices, cfg.dtype, cfg.op)
+        lib = LibNccl(devices, cfg.op)
     except Exception as e:  # noqa: BLE001
         return no("NCCL init failed (see header)", f"NCCL {vtext}: {e}")
     info["library"] = lib.path

@@ -16,7 +16,6 @@ bucket of at most `bucket_mb` megabytes, or one per parameter with bucket_mb=0.
 
 import contextlib
 import copy
-import ctypes
 import os
 import threading
 import time
@@ -24,9 +23,10 @@ import time
 import torch
 import torch.nn.functional as F
 
+from .nccl import MULTI_RANK_MIN_VERSION, LibNccl
+
 METHODS = ("ring", "nccl", "naive")
 DEFAULT_BUCKET_MB = 25.0
-NCCL_MULTI_RANK_MIN_VERSION = (2, 30)
 # Bound on the wait for NCCL's probe all-reduce (its first call, which connects the ranks): a
 # rank that never joins must become an error naming it, not a hang.
 NCCL_TIMEOUT_S = 120.0
@@ -119,98 +119,15 @@ def nccl_skip_reason(devices):
         return f"torch {torch.__version__} was built without NCCL"
     if len(set(devices)) < len(devices):
         version = tuple(torch.cuda.nccl.version()[:2])
-        if version < NCCL_MULTI_RANK_MIN_VERSION:
+        if version < MULTI_RANK_MIN_VERSION:
             return (f"NCCL {_nccl_version_string()} refuses several ranks on one GPU "
                     f"('Duplicate GPU detected'); that needs NCCL >= "
-                    f"{'.'.join(map(str, NCCL_MULTI_RANK_MIN_VERSION))} "
+                    f"{'.'.join(map(str, MULTI_RANK_MIN_VERSION))} "
                     f"with NCCL_MULTI_RANK_GPU_ENABLE=1")
         if os.environ.get("NCCL_MULTI_RANK_GPU_ENABLE") != "1":
             return (f"NCCL {_nccl_version_string()} runs several ranks on one GPU only with "
                     f"NCCL_MULTI_RANK_GPU_ENABLE=1 in the environment")
     return None
-
-
-# ncclDataType_t and ncclRedOp_t values from nccl.h (unchanged since NCCL 2.10).
-_NCCL_DTYPES = {torch.int8: 0, torch.uint8: 1, torch.int32: 2, torch.int64: 4, torch.float16: 6,
-                torch.float32: 7, torch.float64: 8, torch.bfloat16: 9}
-_NCCL_SUM = 0
-
-
-def _load_libnccl():
-    """The libnccl torch loaded (its path in /proc/self/maps), else the loader's libnccl.so.2."""
-    names = []
-    try:
-        with open("/proc/self/maps") as f:
-            names = sorted({line.split()[-1] for line in f if "libnccl.so" in line})
-    except OSError:
-        pass
-    errors = []
-    for name in names + ["libnccl.so.2"]:
-        try:
-            return ctypes.CDLL(name)
-        except OSError as e:
-            errors.append(str(e))
-    raise RuntimeError("cannot load libnccl: " + "; ".join(errors))
-
-
-class _NcclSharedGpu:
-    """NCCL all-reduce (sum) for ranks of which some share a GPU, called through libnccl.
-
-    torch.cuda.nccl.all_reduce rejects two tensors on one device ("inputs must be on unique
-    devices") whatever the NCCL version, so the communicators come from ncclCommInitAll with
-    the device repeated (NCCL >= 2.30 with NCCL_MULTI_RANK_GPU_ENABLE=1 accepts that), and
-    every call issues one ncclAllReduce per rank inside a group, from this one thread. The ranks'
-    kernels wait for each other, so each rank runs on a stream of its own: two queued on one
-    stream (the shared device's current stream) would deadlock. The rank streams start after
-    the work on the current streams, and the current streams wait for them, so callers see the
-    usual current-stream ordering.
-    """
-
-    def __init__(self, devices):
-        lib = _load_libnccl()
-        c_int, c_void_p = ctypes.c_int, ctypes.c_void_p
-        lib.ncclGetErrorString.restype = ctypes.c_char_p
-        lib.ncclGetErrorString.argtypes = [c_int]
-        lib.ncclCommInitAll.argtypes = [ctypes.POINTER(c_void_p), c_int, ctypes.POINTER(c_int)]
-        lib.ncclAllReduce.argtypes = [c_void_p, c_void_p, ctypes.c_size_t, c_int, c_int,
-                                      c_void_p, c_void_p]
-        for fn in (lib.ncclCommInitAll, lib.ncclAllReduce, lib.ncclGroupStart, lib.ncclGroupEnd):
-            fn.restype = c_int
-        self._lib = lib
-        n = len(devices)
-        self._comms = (c_void_p * n)()
-        indices = [d.index for d in devices]
-        self._check(lib.ncclCommInitAll(self._comms, n, (c_int * n)(*indices)),
-                    f"ncclCommInitAll(ndev={n}, devlist={indices})")
-        self._streams = [torch.cuda.Stream(device=d) for d in devices]
-
-    def _check(self, result, what):
-        if result != 0:
-            text = self._lib.ncclGetErrorString(result).decode(errors="replace")
-            raise RuntimeError(f"{what}: NCCL error {result} ({text})")
-
-    def __call__(self, tensors):
-        dtype = _NCCL_DTYPES.get(tensors[0].dtype)
-        if dtype is None:
-            raise TypeError(f"NCCL all-reduce: dtype {tensors[0].dtype} is not supported")
-        current = [torch.cuda.current_stream(t.device) for t in tensors]
-        for stream, cur in zip(self._streams, current):
-            stream.wait_stream(cur)
-        self._check(self._lib.ncclGroupStart(), "ncclGroupStart")
-        try:
-            for rank, t in enumerate(tensors):
-                ptr = ctypes.c_void_p(t.data_ptr())
-                self._check(self._lib.ncclAllReduce(ptr, ptr, t.numel(), dtype, _NCCL_SUM,
-                                                    self._comms[rank],
-                                                    self._streams[rank].cuda_stream),
-                            f"ncclAllReduce (rank {rank})")
-        finally:
-            ended = self._lib.ncclGroupEnd()
-        self._check(ended, "ncclGroupEnd")
-        for t, stream, cur in zip(tensors, self._streams, current):
-            cur.wait_stream(stream)
-            t.record_stream(stream)
-        return tensors
 
 
 def _nccl_unique_devices(tensors):
@@ -278,7 +195,7 @@ def make_all_reduce(method, devices):
     if reason is not None:
         raise NcclUnavailable(reason)
     try:
-        fn = _nccl_unique_devices if len(set(devices)) == len(devices) else _NcclSharedGpu(devices)
+        fn = _nccl_unique_devices if len(set(devices)) == len(devices) else LibNccl(devices, "sum")
     except RuntimeError as e:
         raise NcclUnavailable(f"NCCL {_nccl_version_string()} set-up failed: {e}") from e
     _probe_nccl(fn, devices)

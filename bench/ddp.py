@@ -86,6 +86,11 @@ def _rank_main(rank, world, backend, store, args, queue):
         queue.put((rank, "ok", _rank_body(rank, world, backend, store, args)))
     except BaseException:
         queue.put((rank, "error", traceback.format_exc()))
+    # Skip interpreter teardown: destroying a gloo group with the GIL held can deadlock with
+    # gloo's worker threads (seen with torch 2.13).
+    queue.close()
+    queue.join_thread()
+    os._exit(0)
 
 
 def _rank_body(rank, world, backend, store, args):
@@ -176,7 +181,8 @@ def _rank_body(rank, world, backend, store, args):
         nparams = sum(p.numel() for p in model.parameters())
         out["ddp"] = {"step_ms": step * 1e3, "images_per_s": world * args.batch / step,
                       "params": nparams, "replicas_agree": all(c == checks[0] for c in checks)}
-    dist.destroy_process_group()
+    if backend == "ringreduce":
+        dist.destroy_process_group()
     del ringreduce
     return out
 

@@ -264,9 +264,13 @@ class Comm {
         c10::cuda::getCurrentCUDAStream(static_cast<c10::DeviceIndex>(t.get_device())));
   }
 
+  // The tensor and the start of the cudaMalloc allocation that holds it: the caching allocator
+  // looks blocks up by the storage's own pointer, and CUDA IPC exports whole allocations.
   static rr::dist::cuda::Buffer buffer(const at::Tensor& t) {
+    if (nbytes(t) == 0) return rr::dist::cuda::Buffer{t.data_ptr(), t.data_ptr()};
     size_t alloc_size = 0;
-    void* base = c10::cuda::CUDACachingAllocator::getBaseAllocation(t.data_ptr(), &alloc_size);
+    void* base = c10::cuda::CUDACachingAllocator::getBaseAllocation(
+        t.storage().data_ptr().get(), &alloc_size);
     return rr::dist::cuda::Buffer{t.data_ptr(), base};
   }
 

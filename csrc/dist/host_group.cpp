@@ -319,12 +319,11 @@ void HostGroup::wait(int peer, uint64_t target, const Ctx& ctx, const std::strin
     std::this_thread::yield();
     if (h->progress.load(std::memory_order_acquire) >= target) return;
   }
-  // Tells peers whom this rank is blocked on, for their timeout messages.
-  struct Mark {
-    std::atomic<int32_t>& slot;
-    Mark(std::atomic<int32_t>& s, int peer) : slot(s) { slot.store(peer, std::memory_order_release); }
-    ~Mark() { slot.store(-1, std::memory_order_release); }
-  } mark(headers_[size_t(rank_)]->waiting_for, peer);
+  // Tells peers whom this rank is blocked on, for their timeout messages. Cleared when the
+  // wait succeeds; left in place when it fails, so that a peer timing out at the same moment
+  // still sees where the ring is stuck.
+  std::atomic<int32_t>& mark = headers_[size_t(rank_)]->waiting_for;
+  mark.store(peer, std::memory_order_release);
   auto next_liveness_check = Clock::now();
   for (;;) {
     const uint32_t w = h->wake.load(std::memory_order_seq_cst);
@@ -338,7 +337,10 @@ void HostGroup::wait(int peer, uint64_t target, const Ctx& ctx, const std::strin
       futex_wait(&h->wake, w, left < 50000000 ? left : 50000000);
     }
     h->waiters.fetch_sub(1, std::memory_order_seq_cst);
-    if (h->progress.load(std::memory_order_acquire) >= target) return;
+    if (h->progress.load(std::memory_order_acquire) >= target) {
+      mark.store(-1, std::memory_order_release);
+      return;
+    }
     const uint32_t state = h->state.load(std::memory_order_acquire);
     if (state == kAborted) raise_peer_problem(peer, target, ctx, what, Problem::Aborted);
     if (state == kClosed) raise_peer_problem(peer, target, ctx, what, Problem::Closed);

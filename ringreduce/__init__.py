@@ -2,6 +2,12 @@
 __version__ = "0.1.0"
 
 from .core import OPS, SUPPORTED_DTYPES, all_reduce, build_info, parse_op, peer_access
+from .distributed import register_backend
 
 __all__ = ["all_reduce", "parse_op", "build_info", "peer_access", "OPS", "SUPPORTED_DTYPES",
-           "__version__"]
+           "register_backend", "__version__"]
+
+# The "ringreduce" torch.distributed backend (devices cpu and cuda). Importing
+# ringreduce.distributed loads no compiled code, and registration is a no-op where
+# torch.distributed is unavailable.
+register_backend()

@@ -7,6 +7,7 @@
 
 #include "ring/cpu_executor.h"
 #include "ring/types.h"
+#include "torch_types.h"
 
 #ifdef RINGREDUCE_WITH_CUDA
 #include <c10/cuda/CUDACachingAllocator.h>
@@ -18,33 +19,6 @@
 
 namespace {
 
-rr::DType to_dtype(at::ScalarType t, size_t index) {
-  switch (t) {
-    case at::kFloat: return rr::DType::F32;
-    case at::kDouble: return rr::DType::F64;
-    case at::kHalf: return rr::DType::F16;
-    case at::kBFloat16: return rr::DType::BF16;
-    case at::kInt: return rr::DType::I32;
-    case at::kLong: return rr::DType::I64;
-    case at::kChar: return rr::DType::I8;
-    case at::kByte: return rr::DType::U8;
-    default: break;
-  }
-  TORCH_CHECK_TYPE(false, "ringreduce.all_reduce: tensors[", index, "] has dtype ", t,
-                   ", which is not supported (supported: float32, float64, float16, bfloat16, "
-                   "int32, int64, int8, uint8)");
-}
-
-rr::Op to_op(const std::string& op) {
-  if (op == "sum") return rr::Op::Sum;
-  if (op == "avg") return rr::Op::Avg;
-  if (op == "max") return rr::Op::Max;
-  if (op == "min") return rr::Op::Min;
-  if (op == "prod") return rr::Op::Prod;
-  TORCH_CHECK_VALUE(false, "ringreduce.all_reduce: op must be one of sum, avg, max, min, prod; "
-                    "got '", op, "'");
-}
-
 struct Validated {
   rr::DType dtype;
   rr::Op op;
@@ -55,7 +29,9 @@ struct Validated {
 Validated validate(const std::vector<at::Tensor>& tensors, const std::string& op_name) {
   TORCH_CHECK_VALUE(!tensors.empty(),
                     "ringreduce.all_reduce: tensors must hold one tensor per rank; got none");
-  const rr::Op op = to_op(op_name);
+  rr::Op op;
+  TORCH_CHECK_VALUE(rr::op_from_name(op_name, &op), "ringreduce.all_reduce: op must be one of "
+                    "sum, avg, max, min, prod; got '", op_name, "'");
   const at::Tensor& t0 = tensors[0];
   for (size_t i = 0; i < tensors.size(); ++i) {
     const at::Tensor& t = tensors[i];
@@ -77,7 +53,10 @@ Validated validate(const std::vector<at::Tensor>& tensors, const std::string& op
                       "] is not contiguous; call .contiguous() on it first (the result is "
                       "written in place, so pass the tensor you will read)");
   }
-  const rr::DType dtype = to_dtype(t0.scalar_type(), 0);
+  rr::DType dtype;
+  TORCH_CHECK_TYPE(rr::from_torch(t0.scalar_type(), &dtype), "ringreduce.all_reduce: tensors "
+                   "have dtype ", t0.scalar_type(), ", which is not supported (supported: ",
+                   rr::kSupportedDtypes, ")");
   TORCH_CHECK_TYPE(op != rr::Op::Avg || rr::is_floating(dtype), "ringreduce.all_reduce: op "
                    "'avg' needs a floating-point dtype; got ", t0.scalar_type(),
                    " (use 'sum' and divide, or convert first)");

@@ -3,11 +3,11 @@
 #include "cuda_collectives.h"
 
 #include <cstring>
-#include <sstream>
 #include <stdexcept>
 #include <string>
 #include <vector>
 
+#include "../ring/cuda_check.h"
 #include "../ring/cuda_executor.h"
 #include "../ring/schedule.h"
 
@@ -17,25 +17,11 @@ namespace cuda {
 
 namespace {
 
-[[noreturn]] void fail(cudaError_t err, const char* call, const std::string& context) {
-  cudaGetLastError();  // clear a sticky launch error so later calls report their own
-  std::ostringstream msg;
-  msg << "ringreduce: " << call << " failed: " << cudaGetErrorName(err) << " ("
-      << cudaGetErrorString(err) << ") while " << context;
-  throw std::runtime_error(msg.str());
-}
-
-#define RR_DIST_CUDA(call, context)                                \
-  do {                                                             \
-    cudaError_t rr_err_ = (call);                                  \
-    if (rr_err_ != cudaSuccess) fail(rr_err_, #call, (context));   \
-  } while (0)
-
 class DeviceGuard {
  public:
   explicit DeviceGuard(int device) {
-    RR_DIST_CUDA(cudaGetDevice(&prev_), "reading the current device");
-    if (prev_ != device) RR_DIST_CUDA(cudaSetDevice(device), "selecting the rank's device");
+    RR_CUDA_CHECK(cudaGetDevice(&prev_), "reading the current device");
+    if (prev_ != device) RR_CUDA_CHECK(cudaSetDevice(device), "selecting the rank's device");
   }
   ~DeviceGuard() { cudaSetDevice(prev_); }
   DeviceGuard(const DeviceGuard&) = delete;
@@ -78,11 +64,11 @@ class Peers {
       CudaArea& area = g_.header(rank)->cuda;
       for (int i = 0; i < nevents; ++i) {
         cudaEvent_t e;
-        RR_DIST_CUDA(cudaEventCreateWithFlags(&e, cudaEventDisableTiming | cudaEventInterprocess),
+        RR_CUDA_CHECK(cudaEventCreateWithFlags(&e, cudaEventDisableTiming | cudaEventInterprocess),
                      "creating this rank's IPC events");
         own_.push_back(e);
         cudaIpcEventHandle_t h;
-        RR_DIST_CUDA(cudaIpcGetEventHandle(&h, e), "exporting this rank's IPC events");
+        RR_CUDA_CHECK(cudaIpcGetEventHandle(&h, e), "exporting this rank's IPC events");
         std::memcpy(area.events[i].bytes, &h, sizeof(h));
       }
       static_assert(sizeof(cudaIpcEventHandle_t) == kIpcHandleBytes, "IPC handle size");
@@ -90,7 +76,7 @@ class Peers {
       area.device = device_;
       area.nevents = nevents;
       cudaDeviceProp prop;
-      RR_DIST_CUDA(cudaGetDeviceProperties(&prop, device_), "reading the device's UUID");
+      RR_CUDA_CHECK(cudaGetDeviceProperties(&prop, device_), "reading the device's UUID");
       std::memcpy(area.device_uuid, &prop.uuid, sizeof(area.device_uuid));
 
       const uint64_t base = g_.base();
@@ -112,7 +98,7 @@ class Peers {
           cudaIpcEventHandle_t h;
           std::memcpy(&h, pa.events[i].bytes, sizeof(h));
           cudaEvent_t e;
-          RR_DIST_CUDA(cudaIpcOpenEventHandle(&e, h),
+          RR_CUDA_CHECK(cudaIpcOpenEventHandle(&e, h),
                        "opening rank " + std::to_string(q) + "'s IPC events (on cuda:" +
                            std::to_string(pa.device) + ")");
           peer_events_[size_t(q)].push_back(e);
@@ -131,7 +117,7 @@ class Peers {
   void export_buffer(Buffer buf, const std::string& what) {
     CudaArea& area = g_.header(g_.rank())->cuda;
     cudaIpcMemHandle_t h;
-    RR_DIST_CUDA(cudaIpcGetMemHandle(&h, buf.alloc_base),
+    RR_CUDA_CHECK(cudaIpcGetMemHandle(&h, buf.alloc_base),
                  "exporting the " + what + " (CUDA IPC needs memory from cudaMalloc; with "
                  "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True it is not)");
     std::memcpy(area.mem.bytes, &h, sizeof(h));
@@ -154,14 +140,14 @@ class Peers {
       for (size_t i = 1; i < maps.size(); ++i)
         if (maps[i].last_use < maps[lru].last_use) lru = i;
       // Work already queued may still read the mapping.
-      RR_DIST_CUDA(cudaDeviceSynchronize(), "retiring an old peer mapping");
-      RR_DIST_CUDA(cudaIpcCloseMemHandle(maps[lru].base), "closing an old peer mapping");
+      RR_CUDA_CHECK(cudaDeviceSynchronize(), "retiring an old peer mapping");
+      RR_CUDA_CHECK(cudaIpcCloseMemHandle(maps[lru].base), "closing an old peer mapping");
       maps.erase(maps.begin() + long(lru));
     }
     cudaIpcMemHandle_t h;
     std::memcpy(&h, area.mem.bytes, sizeof(h));
     void* base = nullptr;
-    RR_DIST_CUDA(cudaIpcOpenMemHandle(&base, h, cudaIpcMemLazyEnablePeerAccess),
+    RR_CUDA_CHECK(cudaIpcOpenMemHandle(&base, h, cudaIpcMemLazyEnablePeerAccess),
                  "opening rank " + std::to_string(r) + "'s " + what + " (cuda:" +
                      std::to_string(area.device) + " from cuda:" + std::to_string(device_) +
                      "; distinct GPUs need peer-to-peer access)");
@@ -214,7 +200,7 @@ void wait_for_readers(HostGroup& g, Peers& p, const Ctx& ctx, uint64_t base,
                       const std::vector<int>& readers, cudaStream_t stream) {
   for (int q : readers) {
     g.wait(q, base + 2, ctx, "while rank " + std::to_string(q) + " reads this rank's buffer");
-    RR_DIST_CUDA(cudaStreamWaitEvent(stream, p.peer_event(q, 1), 0),
+    RR_CUDA_CHECK(cudaStreamWaitEvent(stream, p.peer_event(q, 1), 0),
                  "ordering this rank's stream after rank " + std::to_string(q) + "'s reads");
   }
 }
@@ -246,7 +232,7 @@ void all_reduce(HostGroup& g, Peers& p, Buffer buf, int64_t count, DType dtype, 
     g.wait_all(base, ctx, "at the start of the collective");
     g.set_desc(device_desc(ctx, int(dtype), int(op), -1, count, p.device()));
     if (!empty) p.export_buffer(buf, "all_reduce tensor");
-    RR_DIST_CUDA(cudaEventRecord(p.own(0), stream), "marking this rank's input ready");
+    RR_CUDA_CHECK(cudaEventRecord(p.own(0), stream), "marking this rank's input ready");
     g.publish(base + 1);
     char* own = static_cast<char*>(buf.ptr);
     char* src_base = nullptr;
@@ -257,7 +243,7 @@ void all_reduce(HostGroup& g, Peers& p, Buffer buf, int64_t count, DType dtype, 
         if (!empty) src_base = p.peer_buffer(pred, "all_reduce tensor");
       }
       // The predecessor's event k is recorded after its step k - 1 (k = 0: its input ready).
-      RR_DIST_CUDA(cudaStreamWaitEvent(stream, p.peer_event(pred, int(k)), 0),
+      RR_CUDA_CHECK(cudaStreamWaitEvent(stream, p.peer_event(pred, int(k)), 0),
                    "ordering after rank " + std::to_string(pred) + " " + step_text(k, steps));
       const Step s = ring_step(rank, n, k);
       const Range c = chunk_range(count, n, esize, s.chunk);
@@ -265,12 +251,12 @@ void all_reduce(HostGroup& g, Peers& p, Buffer buf, int64_t count, DType dtype, 
         ::rr::cuda::Task t{own + c.offset * esize, src_base + c.offset * esize, c.count};
         ::rr::cuda::launch_step(&t, 1, dtype, op, s.reduce, s.last_reduce, n, stream);
       }
-      RR_DIST_CUDA(cudaEventRecord(p.own(int(k) + 1), stream), "recording " + step_text(k, steps));
+      RR_CUDA_CHECK(cudaEventRecord(p.own(int(k) + 1), stream), "recording " + step_text(k, steps));
       g.publish(base + 2 + uint64_t(k));
     }
     // The successor reads this rank's buffer up to its last step: order this stream after it.
     g.wait(succ, base + 1 + uint64_t(steps), ctx, "while the successor finishes reading");
-    RR_DIST_CUDA(cudaStreamWaitEvent(stream, p.peer_event(succ, int(steps)), 0),
+    RR_CUDA_CHECK(cudaStreamWaitEvent(stream, p.peer_event(succ, int(steps)), 0),
                  "ordering this rank's stream after its successor's last read");
     g.publish(base + 2 + uint64_t(steps));
     g.end_phase(2 + uint64_t(steps));
@@ -288,7 +274,7 @@ void broadcast(HostGroup& g, Peers& p, Buffer buf, int64_t bytes, int root, cuda
     g.wait_all(base, ctx, "at the start of the collective");
     g.set_desc(device_desc(ctx, -1, -1, root, bytes, p.device()));
     if (rank == root && bytes > 0) p.export_buffer(buf, "broadcast tensor");
-    RR_DIST_CUDA(cudaEventRecord(p.own(0), stream), "marking this rank's input ready");
+    RR_CUDA_CHECK(cudaEventRecord(p.own(0), stream), "marking this rank's input ready");
     g.publish(base + 1);
     const int pred = mod(rank - 1, n);
     g.wait(pred, base + 1, ctx, "at the start of the collective");
@@ -298,13 +284,13 @@ void broadcast(HostGroup& g, Peers& p, Buffer buf, int64_t bytes, int root, cuda
       g.check_desc(root, ctx);
       if (bytes > 0) {
         const char* src = p.peer_buffer(root, "broadcast tensor");
-        RR_DIST_CUDA(cudaStreamWaitEvent(stream, p.peer_event(root, 0), 0),
+        RR_CUDA_CHECK(cudaStreamWaitEvent(stream, p.peer_event(root, 0), 0),
                      "ordering after the root's input");
-        RR_DIST_CUDA(cudaMemcpyAsync(buf.ptr, src, size_t(bytes), cudaMemcpyDefault, stream),
+        RR_CUDA_CHECK(cudaMemcpyAsync(buf.ptr, src, size_t(bytes), cudaMemcpyDefault, stream),
                      "copying from the root");
       }
     }
-    RR_DIST_CUDA(cudaEventRecord(p.own(1), stream), "marking this rank's reads done");
+    RR_CUDA_CHECK(cudaEventRecord(p.own(1), stream), "marking this rank's reads done");
     g.publish(base + 2);
     if (rank == root) wait_for_readers(g, p, ctx, base, others(g), stream);
     g.publish(base + 3);
@@ -324,11 +310,11 @@ void all_gather(HostGroup& g, Peers& p, Buffer in, void* const* outs, int64_t by
       g.wait_all(base, ctx, "at the start of the collective");
       g.set_desc(device_desc(ctx, -1, -1, -1, bytes, p.device()));
       if (bytes > 0) p.export_buffer(in, "all_gather input");
-      RR_DIST_CUDA(cudaEventRecord(p.own(0), stream), "marking this rank's input ready");
+      RR_CUDA_CHECK(cudaEventRecord(p.own(0), stream), "marking this rank's input ready");
       g.publish(base + 1);
     }
     if (bytes > 0 && outs[rank] != in.ptr)
-      RR_DIST_CUDA(cudaMemcpyAsync(outs[rank], in.ptr, size_t(bytes), cudaMemcpyDefault, stream),
+      RR_CUDA_CHECK(cudaMemcpyAsync(outs[rank], in.ptr, size_t(bytes), cudaMemcpyDefault, stream),
                    "copying this rank's own slot");
     if (n == 1) return;
     for (int q : others(g)) {
@@ -336,12 +322,12 @@ void all_gather(HostGroup& g, Peers& p, Buffer in, void* const* outs, int64_t by
       g.check_desc(q, ctx);
       if (bytes == 0) continue;
       const char* src = p.peer_buffer(q, "all_gather input");
-      RR_DIST_CUDA(cudaStreamWaitEvent(stream, p.peer_event(q, 0), 0),
+      RR_CUDA_CHECK(cudaStreamWaitEvent(stream, p.peer_event(q, 0), 0),
                    "ordering after rank " + std::to_string(q) + "'s input");
-      RR_DIST_CUDA(cudaMemcpyAsync(outs[q], src, size_t(bytes), cudaMemcpyDefault, stream),
+      RR_CUDA_CHECK(cudaMemcpyAsync(outs[q], src, size_t(bytes), cudaMemcpyDefault, stream),
                    "copying rank " + std::to_string(q) + "'s input");
     }
-    RR_DIST_CUDA(cudaEventRecord(p.own(1), stream), "marking this rank's reads done");
+    RR_CUDA_CHECK(cudaEventRecord(p.own(1), stream), "marking this rank's reads done");
     g.publish(base + 2);
     wait_for_readers(g, p, ctx, base, others(g), stream);
     g.publish(base + 3);
@@ -360,7 +346,7 @@ void reduce_scatter(HostGroup& g, Peers& p, Buffer in, void* out, int64_t count,
     DeviceGuard guard(p.device());
     if (n == 1) {
       if (seg_bytes > 0 && out != in.ptr)
-        RR_DIST_CUDA(cudaMemcpyAsync(out, in.ptr, size_t(seg_bytes), cudaMemcpyDefault, stream),
+        RR_CUDA_CHECK(cudaMemcpyAsync(out, in.ptr, size_t(seg_bytes), cudaMemcpyDefault, stream),
                      "copying the single rank's input");
       return;
     }
@@ -368,7 +354,7 @@ void reduce_scatter(HostGroup& g, Peers& p, Buffer in, void* out, int64_t count,
     g.wait_all(base, ctx, "at the start of the collective");
     g.set_desc(device_desc(ctx, int(dtype), int(op), -1, count, p.device()));
     if (seg_bytes > 0) p.export_buffer(in, "reduce_scatter input");
-    RR_DIST_CUDA(cudaEventRecord(p.own(0), stream), "marking this rank's input ready");
+    RR_CUDA_CHECK(cudaEventRecord(p.own(0), stream), "marking this rank's input ready");
     g.publish(base + 1);
     std::vector<const char*> srcs(size_t(n), nullptr);
     for (int q = 0; q < n; ++q) {
@@ -380,19 +366,19 @@ void reduce_scatter(HostGroup& g, Peers& p, Buffer in, void* out, int64_t count,
       g.check_desc(q, ctx);
       if (seg_bytes == 0) continue;
       srcs[size_t(q)] = p.peer_buffer(q, "reduce_scatter input") + rank * seg_bytes;
-      RR_DIST_CUDA(cudaStreamWaitEvent(stream, p.peer_event(q, 0), 0),
+      RR_CUDA_CHECK(cudaStreamWaitEvent(stream, p.peer_event(q, 0), 0),
                    "ordering after rank " + std::to_string(q) + "'s input");
     }
     if (seg_bytes > 0) {
       // Fixed order 0, 1, ..., N-1. `out` must not overlap `in` (the binding guarantees it).
-      RR_DIST_CUDA(cudaMemcpyAsync(out, srcs[0], size_t(seg_bytes), cudaMemcpyDefault, stream),
+      RR_CUDA_CHECK(cudaMemcpyAsync(out, srcs[0], size_t(seg_bytes), cudaMemcpyDefault, stream),
                    "copying rank 0's segment");
       for (int q = 1; q < n; ++q) {
         ::rr::cuda::Task t{out, srcs[size_t(q)], count};
         ::rr::cuda::launch_step(&t, 1, dtype, op, true, q == n - 1, n, stream);
       }
     }
-    RR_DIST_CUDA(cudaEventRecord(p.own(1), stream), "marking this rank's reads done");
+    RR_CUDA_CHECK(cudaEventRecord(p.own(1), stream), "marking this rank's reads done");
     g.publish(base + 2);
     wait_for_readers(g, p, ctx, base, others(g), stream);
     g.publish(base + 3);

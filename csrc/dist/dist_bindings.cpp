@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "../ring/types.h"
+#include "../torch_types.h"
 #include "cpu_collectives.h"
 #include "host_group.h"
 
@@ -25,31 +26,17 @@ namespace {
 using rr::dist::HostGroup;
 
 rr::DType to_dtype(const at::Tensor& t, const char* fn, const char* arg) {
-  switch (t.scalar_type()) {
-    case at::kFloat: return rr::DType::F32;
-    case at::kDouble: return rr::DType::F64;
-    case at::kHalf: return rr::DType::F16;
-    case at::kBFloat16: return rr::DType::BF16;
-    case at::kInt: return rr::DType::I32;
-    case at::kLong: return rr::DType::I64;
-    case at::kChar: return rr::DType::I8;
-    case at::kByte: return rr::DType::U8;
-    default: break;
-  }
-  TORCH_CHECK_TYPE(false, "ringreduce ", fn, ": ", arg, " has dtype ", t.scalar_type(),
-                   ", which the reduction does not support (supported: float32, float64, "
-                   "float16, bfloat16, int32, int64, int8, uint8)");
+  rr::DType dtype;
+  TORCH_CHECK_TYPE(rr::from_torch(t.scalar_type(), &dtype), "ringreduce ", fn, ": ", arg,
+                   " has dtype ", t.scalar_type(), ", which the reduction does not support "
+                   "(supported: ", rr::kSupportedDtypes, ")");
+  return dtype;
 }
 
 rr::Op to_op(const std::string& op, rr::DType dtype, const char* fn) {
   rr::Op o;
-  if (op == "sum") o = rr::Op::Sum;
-  else if (op == "avg") o = rr::Op::Avg;
-  else if (op == "max") o = rr::Op::Max;
-  else if (op == "min") o = rr::Op::Min;
-  else if (op == "prod") o = rr::Op::Prod;
-  else TORCH_CHECK_VALUE(false, "ringreduce ", fn, ": op must be one of sum, avg, max, min, "
-                         "prod; got '", op, "'");
+  TORCH_CHECK_VALUE(rr::op_from_name(op, &o), "ringreduce ", fn, ": op must be one of sum, avg, "
+                    "max, min, prod; got '", op, "'");
   TORCH_CHECK_TYPE(o != rr::Op::Avg || rr::is_floating(dtype), "ringreduce ", fn, ": op 'avg' "
                    "needs a floating-point dtype; got ", rr::dtype_name(dtype),
                    " (use SUM and divide, or convert first)");

@@ -13,9 +13,9 @@
 #include <atomic>
 #include <map>
 #include <mutex>
-#include <sstream>
 #include <stdexcept>
 
+#include "cuda_check.h"
 #include "schedule.h"
 
 
@@ -23,19 +23,6 @@ namespace rr {
 namespace cuda {
 
 namespace {
-
-[[noreturn]] void fail(cudaError_t err, const char* call, const std::string& context) {
-  std::ostringstream msg;
-  msg << "ringreduce: " << call << " failed: " << cudaGetErrorName(err) << " ("
-      << cudaGetErrorString(err) << ") while " << context;
-  throw std::runtime_error(msg.str());
-}
-
-#define RR_CUDA_CHECK(call, context)                  \
-  do {                                                \
-    cudaError_t rr_err_ = (call);                     \
-    if (rr_err_ != cudaSuccess) fail(rr_err_, #call, (context)); \
-  } while (0)
 
 constexpr int kThreads = 512;
 

@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# Everything a session with the GPU machine should run, in one device call:
+#   bash scripts/gpu_check.sh [tests] [ring] [resnet18] [ddp]     (no argument: all four)
+# Logs and JSON go to $OUT (the device tool's output folder) or ./gpu-logs.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+out=${OUT:-gpu-logs}
+mkdir -p "$out"
+export PYTHONUNBUFFERED=1 NCCL_MULTI_RANK_GPU_ENABLE=${NCCL_MULTI_RANK_GPU_ENABLE:-1}
+phases=${*:-tests ring resnet18 ddp}
+status=0
+run() {  # run NAME CMD...: tee the output to $out/NAME.log and remember a failure
+  local name=$1; shift
+  echo "== $name: $*" | tee "$out/$name.log"
+  "$@" 2>&1 | tee -a "$out/$name.log"
+  local rc=${PIPESTATUS[0]}
+  echo "== $name exit $rc" | tee -a "$out/$name.log"
+  [ "$rc" -eq 0 ] || status=1
+}
+{ nvidia-smi; date -u; git log -1 --oneline; } > "$out/machine.log" 2>&1
+bash scripts/setup.sh > "$out/setup.log" 2>&1 || { cat "$out/setup.log"; exit 1; }
+for p in $phases; do
+  case $p in
+    tests) run tests python3 -m pytest -q -rs tests ;;
+    ring) run ring python3 bench/ring.py --json "$out/ring.json" --plot "$out/ring.png" ;;
+    resnet18) run resnet18 python3 bench/resnet18.py --device cuda:0 --ranks 4 --json "$out/resnet18.json" ;;
+    ddp) run ddp python3 bench/ddp.py --device cuda --ranks 4 --json "$out/ddp.json" ;;
+    *) echo "gpu_check: unknown phase '$p' (tests, ring, resnet18, ddp)" >&2; exit 2 ;;
+  esac
+done
+exit $status

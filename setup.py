@@ -45,7 +45,8 @@ def gencode_flags(archs):
     for a in archs:
         cc = a.replace(".", "")
         flags.append(f"-gencode=arch=compute_{cc},code=sm_{cc}")
-    newest = archs[-1].replace(".", "")
+    newest = max(archs, key=lambda a: tuple(int(x.rstrip("af") or 0) for x in a.split(".")))
+    newest = newest.replace(".", "")
     flags.append(f"-gencode=arch=compute_{newest},code=compute_{newest}")
     return flags
 

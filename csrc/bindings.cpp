@@ -10,7 +10,9 @@
 #include "torch_types.h"
 
 #ifdef RINGREDUCE_WITH_CUDA
+#include <ATen/cuda/PeerToPeerAccess.h>
 #include <c10/cuda/CUDACachingAllocator.h>
+#include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 
 #include "ring/cuda_executor.h"
@@ -86,20 +88,45 @@ Validated validate(const std::vector<at::Tensor>& tensors, const std::string& op
   return Validated{dtype, op, t0.numel(), cuda};
 }
 
+// The in-place write goes around autograd: tell it, as a torch in-place op would, so a tensor
+// saved for backward is reported as modified instead of silently used.
+void bump_versions(const std::vector<at::Tensor>& tensors) {
+  for (const at::Tensor& t : tensors) {
+    if (!t.is_inference()) t.unsafeGetTensorImpl()->bump_version();  // inference: no counter
+  }
+}
+
 // Returns the neighbour pairs that had to be staged (no peer access); empty on CPU.
+// transport: "p2p" (kernels read the neighbour's memory where peer access allows) or "copy"
+// (every hop through cudaMemcpyPeerAsync, to test and measure that path on one GPU).
 std::vector<std::string> all_reduce(const std::vector<at::Tensor>& tensors,
-                                    const std::string& op_name) {
+                                    const std::string& op_name, const std::string& transport) {
+  TORCH_CHECK_VALUE(transport == "p2p" || transport == "copy", "ringreduce.all_reduce: "
+                    "transport (RINGREDUCE_TRANSPORT) must be 'p2p' or 'copy'; got '", transport,
+                    "'");
   const Validated v = validate(tensors, op_name);
   const int nranks = int(tensors.size());
   if (nranks == 1 || v.count == 0) return {};
   if (!v.cuda) {
     std::vector<void*> bufs;
     for (const at::Tensor& t : tensors) bufs.push_back(t.data_ptr());
-    pybind11::gil_scoped_release no_gil;
-    rr::cpu::all_reduce(bufs.data(), nranks, v.count, v.dtype, v.op);
+    {
+      pybind11::gil_scoped_release no_gil;
+      rr::cpu::all_reduce(bufs.data(), nranks, v.count, v.dtype, v.op);
+    }
+    bump_versions(tensors);
     return {};
   }
 #ifdef RINGREDUCE_WITH_CUDA
+  // Restores the caller's device without creating a context on a device it never used.
+  c10::cuda::CUDAGuard device_guard(tensors[0].device());
+  for (int r = 0; r < nranks; ++r) {
+    const auto rd = tensors[r].device().index();
+    const auto pd = tensors[(r + nranks - 1) % nranks].device().index();
+    // Through torch, so its allocator also maps expandable segments / memory pools for the
+    // peer; the executor then finds access already enabled (or stages the pair).
+    if (rd != pd) at::cuda::get_p2p_access(rd, pd);
+  }
   std::vector<rr::cuda::RankBuffer> bufs;
   std::vector<rr::cuda::DeviceStream> streams;
   for (const at::Tensor& t : tensors) {
@@ -121,8 +148,10 @@ std::vector<std::string> all_reduce(const std::vector<at::Tensor>& tensors,
         t.storage().data_ptr(),
         c10::cuda::getCurrentCUDAStream(static_cast<c10::DeviceIndex>(t.get_device())));
   }
-  return rr::cuda::all_reduce(bufs.data(), nranks, v.count, v.dtype, v.op, streams.data(),
-                              int(streams.size()));
+  auto staged = rr::cuda::all_reduce(bufs.data(), nranks, v.count, v.dtype, v.op,
+                                     streams.data(), int(streams.size()), transport == "copy");
+  bump_versions(tensors);
+  return staged;
 #else
   return {};
 #endif
@@ -167,6 +196,7 @@ pybind11::dict peer_access() {
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "ringreduce: ring all-reduce executors (internal; use ringreduce.all_reduce)";
   m.def("all_reduce", &all_reduce, pybind11::arg("tensors"), pybind11::arg("op"),
+        pybind11::arg("transport"),
         "Validated in-place ring all-reduce. Returns the neighbour pairs staged without P2P.");
   m.def("build_info", &build_info);
   m.def("peer_access", &peer_access);

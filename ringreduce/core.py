@@ -1,4 +1,5 @@
 """The public single-process API: ``all_reduce(tensors, op)`` over one tensor per rank."""
+import os
 import warnings
 
 import torch
@@ -52,6 +53,10 @@ def all_reduce(tensors, op="sum"):
     asynchronous: it is queued on each device's current stream after the work already there,
     and work queued there afterwards sees the result. Every rank ends with bitwise identical
     values. Bad arguments raise before any tensor is modified.
+
+    ``RINGREDUCE_TRANSPORT=copy`` in the environment moves every CUDA hop with
+    ``cudaMemcpyPeerAsync`` instead of kernels reading the neighbour's memory (the path used
+    anyway between GPUs without peer access); the default is ``p2p``.
     """
     if isinstance(tensors, torch.Tensor) or not isinstance(tensors, (list, tuple)):
         raise TypeError(
@@ -61,7 +66,8 @@ def all_reduce(tensors, op="sum"):
         if not isinstance(t, torch.Tensor):
             raise TypeError(
                 f"ringreduce.all_reduce: tensors[{i}] must be a torch.Tensor; got {type(t).__name__}")
-    staged = _C.all_reduce(list(tensors), parse_op(op))
+    staged = _C.all_reduce(list(tensors), parse_op(op),
+                           os.environ.get("RINGREDUCE_TRANSPORT", "p2p"))
     for pair in staged:
         if pair not in _warned_staged:
             _warned_staged.add(pair)

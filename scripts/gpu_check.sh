@@ -6,7 +6,9 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${OUT:-gpu-logs}
 mkdir -p "$out"
-export PYTHONUNBUFFERED=1 NCCL_MULTI_RANK_GPU_ENABLE=${NCCL_MULTI_RANK_GPU_ENABLE:-1}
+# RINGREDUCE_REQUIRE_CUDA: tests/test_cuda.py fails instead of skipping if the build is CPU-only.
+export PYTHONUNBUFFERED=1 RINGREDUCE_REQUIRE_CUDA=1 \
+  NCCL_MULTI_RANK_GPU_ENABLE=${NCCL_MULTI_RANK_GPU_ENABLE:-1}
 phases=${*:-tests ring resnet18 ddp}
 status=0
 run() {  # run NAME CMD...: tee the output to $out/NAME.log and remember a failure
@@ -17,7 +19,8 @@ run() {  # run NAME CMD...: tee the output to $out/NAME.log and remember a failu
   echo "== $name exit $rc" | tee -a "$out/$name.log"
   [ "$rc" -eq 0 ] || status=1
 }
-{ nvidia-smi; date -u; git log -1 --oneline; } > "$out/machine.log" 2>&1
+{ nvidia-smi; nvidia-smi --query-gpu=name,compute_mode --format=csv; date -u;
+  git log -1 --oneline; } > "$out/machine.log" 2>&1
 bash scripts/setup.sh > "$out/setup.log" 2>&1 || { cat "$out/setup.log"; exit 1; }
 for p in $phases; do
   case $p in

@@ -138,3 +138,35 @@ def test_chunking_covers_every_element_once():
                 assert bounds[0][0] == 0 and bounds[-1][1] == count
                 assert all(b[1] == c[0] for b, c in zip(bounds, bounds[1:]))
                 assert all((lo * esize) % 16 == 0 for lo, hi in bounds if hi > lo)
+
+
+def test_in_place_write_is_visible_to_autograd():
+    g = torch.Generator().manual_seed(11)
+    tensors = random_inputs(3, 64, torch.float32, "sum", generator=g)
+    versions = [t._version for t in tensors]
+    ringreduce.all_reduce(tensors)
+    assert [t._version for t in tensors] == [v + 1 for v in versions]
+    w = torch.randn(64, generator=g, requires_grad=True)
+    x = tensors[0].clone()
+    y = (w * x).sum()  # saves x for backward
+    ringreduce.all_reduce([x, tensors[1].clone()])
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        y.backward()
+
+
+def test_inference_tensors():
+    with torch.inference_mode():
+        tensors = [torch.full((5,), float(r + 1)) for r in range(3)]
+    ringreduce.all_reduce(tensors)
+    assert torch.equal(tensors[2], torch.full((5,), 6.0))
+
+
+def test_transport_setting_is_validated(monkeypatch):
+    tensors = [torch.ones(4), torch.ones(4)]
+    monkeypatch.setenv("RINGREDUCE_TRANSPORT", "smoke-signals")
+    with pytest.raises(ValueError, match="RINGREDUCE_TRANSPORT"):
+        ringreduce.all_reduce(tensors)
+    assert torch.equal(tensors[0], torch.ones(4))
+    monkeypatch.setenv("RINGREDUCE_TRANSPORT", "copy")  # CPU ignores the transport
+    ringreduce.all_reduce(tensors)
+    assert torch.equal(tensors[0], torch.full((4,), 2.0))

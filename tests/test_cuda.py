@@ -3,6 +3,8 @@
 Every GPU result is compared bit for bit with the ring model (tests/reference.py), which is
 also what the CPU path produces: the reduction order and the per-hop rounding are the same.
 """
+import os
+
 import pytest
 import torch
 
@@ -18,6 +20,10 @@ pytestmark = [
                        reason="ringreduce was built CPU-only (torch without CUDA or no nvcc)"),
 ]
 MULTI_GPU = HAS_CUDA and torch.cuda.device_count() >= 2
+if HAS_CUDA and not CUDA_BUILD and os.environ.get("RINGREDUCE_REQUIRE_CUDA") == "1":
+    # scripts/gpu_check.sh sets this: a GPU run must not pass by skipping every CUDA test
+    raise RuntimeError("torch sees a GPU but ringreduce was built CPU-only (nvcc or CUDA_HOME "
+                       "missing at build time?)")
 
 # Around every threshold: fewer elements than ranks, odd counts, one 16-byte vector plus a
 # tail, chunk sizes that leave trailing chunks empty, and sizes that need many blocks.
@@ -56,6 +62,21 @@ def test_simulated_ranks(dtype, op, nranks):
     for count in SIZES:
         _run_and_check(random_inputs(nranks, count, dtype, op, generator=g), op,
                        _devices(nranks, spread=False))
+
+
+@pytest.mark.parametrize("dtype,op", [(torch.float32, "sum"), (torch.bfloat16, "avg"),
+                                      (torch.float64, "prod"), (torch.int8, "max"),
+                                      (torch.int64, "min")],
+                         ids=lambda v: str(v).replace("torch.", ""))
+@pytest.mark.parametrize("nranks", [2, 3, 5])
+def test_copy_transport(dtype, op, nranks, monkeypatch):
+    """RINGREDUCE_TRANSPORT=copy: every hop through cudaMemcpyPeerAsync (the path GPUs without
+    peer access take), reduce-scatter via the staging buffer, all-gather straight into place."""
+    monkeypatch.setenv("RINGREDUCE_TRANSPORT", "copy")
+    g = torch.Generator().manual_seed(nranks * 7)
+    for count in SIZES:
+        _run_and_check(random_inputs(nranks, count, dtype, op, generator=g), op,
+                       _devices(nranks, spread=True))
 
 
 @pytest.mark.skipif(not MULTI_GPU, reason="needs two or more GPUs")
@@ -116,6 +137,7 @@ def test_stream_ordering_on_a_side_stream():
     staged = [x.pin_memory() for x in inputs]
     side = torch.cuda.Stream()
     big = torch.randn(4096, 4096, device="cuda")
+    side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
         tensors = [torch.full((count,), float("nan"), device="cuda") for _ in range(n)]
         big @ big  # keep the stream busy so an unordered read would see the NaN poison
@@ -132,15 +154,20 @@ def test_stream_ordering_on_a_side_stream():
 
 
 def test_tensors_dropped_right_after_the_call():
-    """The caching allocator must not hand the buffers out before the ring is done with them."""
+    """Buffers allocated on the default stream, reduced late on a side stream, then dropped: the
+    caching allocator must not hand them out before the ring is done (needs recordStream)."""
     g = torch.Generator().manual_seed(10)
     n, count = 4, (1 << 22) + 3
     inputs = random_inputs(n, count, torch.float32, "sum", generator=g)
     expected = ring_model(inputs, "sum")
+    side = torch.cuda.Stream()
     for _ in range(3):
         tensors = [x.cuda() for x in inputs]
         keep = tensors[0]
-        ringreduce.all_reduce(tensors)
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            torch.cuda._sleep(50_000_000)  # tens of milliseconds: the ring runs late
+            ringreduce.all_reduce(tensors)
         del tensors
         reuse = [torch.full((count,), 7.0, device="cuda") for _ in range(n - 1)]
         torch.cuda.synchronize()

@@ -4,8 +4,10 @@
 // a staging buffer plus a local reduce: the fused kernel reads the peer chunk once and writes
 // the result once (3 bytes of traffic per byte reduced: read mine, read peer, write mine); the
 // copy-engine design adds a write and a read of the staging buffer (5, see docs/DESIGN.md),
-// and needs a scratch allocation. The staged design is kept only for neighbour pairs without
-// peer access. This is the design's prediction; bench/ring.py measures it on a GPU.
+// and needs a scratch allocation. The staged design is used for neighbour pairs without peer
+// access, and everywhere when the caller forces it (RINGREDUCE_TRANSPORT=copy), which makes
+// it testable and measurable on one GPU. This choice is the design's prediction; bench/ring.py
+// run with both transports on a GPU decides it.
 #include "cuda_executor.h"
 
 #include <algorithm>
@@ -95,6 +97,20 @@ int sm_count(int device) {
   return v;
 }
 
+int blocks_per_sm(const void* fn, int device) {
+  static std::mutex mu;
+  static std::map<std::pair<const void*, int>, int> cache;
+  std::lock_guard<std::mutex> lock(mu);
+  auto it = cache.find({fn, device});
+  if (it != cache.end()) return it->second;
+  int n = 0;
+  RR_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, fn, kThreads, 0),
+                "computing the occupancy of a ring kernel on cuda:" + std::to_string(device));
+  n = std::max(n, 1);
+  cache[{fn, device}] = n;
+  return n;
+}
+
 // Restores the caller's current device however the executor exits.
 class DeviceGuard {
  public:
@@ -156,6 +172,9 @@ bool ensure_peer(DeviceGuard& guard, int reader, int owner) {
     cudaError_t err = cudaDeviceEnablePeerAccess(owner, 0);
     if (err == cudaErrorPeerAccessAlreadyEnabled) {
       cudaGetLastError();
+    } else if (err == cudaErrorTooManyPeers || err == cudaErrorPeerAccessUnsupported) {
+      cudaGetLastError();  // the hardware said yes but cannot map: stage this pair instead
+      can = 0;
     } else if (err != cudaSuccess) {
       fail(err, "cudaDeviceEnablePeerAccess", "enabling peer access from cuda:" +
                                                   std::to_string(reader) + " to cuda:" +
@@ -171,7 +190,11 @@ void* ensure_stage(DeviceGuard& guard, DeviceState& st, int device, size_t bytes
   guard.set(device);
   const std::string ctx = "allocating a " + std::to_string(bytes) +
                           "-byte staging buffer on cuda:" + std::to_string(device);
-  if (st.stage) RR_CUDA_CHECK(cudaFree(st.stage), ctx);  // cudaFree waits for pending use
+  if (st.stage) {
+    // The last call that used the buffer recorded stage_free after its final use.
+    RR_CUDA_CHECK(cudaEventSynchronize(st.stage_free), ctx);
+    RR_CUDA_CHECK(cudaFree(st.stage), ctx);
+  }
   st.stage = nullptr;
   st.stage_bytes = 0;
   RR_CUDA_CHECK(cudaMalloc(&st.stage, bytes), ctx);
@@ -200,17 +223,20 @@ void launch_step(const Task* tasks, int ntasks, DType dtype, Op op, bool reduce,
   if (max_n == 0) return;
   int device = 0;
   RR_CUDA_CHECK(cudaGetDevice(&device), "launching a ring step");
-  const int64_t esize = elem_size(dtype);
-  const int64_t vec = 16 / esize;
-  const int64_t want = (max_n / vec + kThreads) / kThreads;
-  // About four resident 512-thread blocks per SM across all tasks of the launch fills the chip.
-  const int64_t cap = std::max<int64_t>(1, 4 * int64_t(sm_count(device)) / ntasks);
-  const dim3 grid(unsigned(std::min(std::max<int64_t>(want, 1), cap)), unsigned(ntasks));
   const void* fn = nullptr;
-  RR_DISPATCH(dtype, op,
+  // Copies do not depend on the operator: one copy kernel per dtype.
+  RR_DISPATCH(dtype, reduce ? op : Op::Sum,
               fn = reduce ? (last ? kernel_ptr<T, kOp, true, true>()
                                   : kernel_ptr<T, kOp, true, false>())
                           : kernel_ptr<T, kOp, false, false>());
+  const int64_t esize = elem_size(dtype);
+  const int64_t vec = 16 / esize;
+  const int64_t want = (max_n / vec + kThreads) / kThreads;
+  // One full wave of resident blocks across all tasks of the launch fills the chip; how many
+  // fit per SM depends on each instantiation's registers (29-50 on sm_90 per ptxas -v).
+  const int64_t cap =
+      std::max<int64_t>(1, int64_t(blocks_per_sm(fn, device)) * sm_count(device) / ntasks);
+  const dim3 grid(unsigned(std::min(std::max<int64_t>(want, 1), cap)), unsigned(ntasks));
   void* args[] = {&p};
   RR_CUDA_CHECK(cudaLaunchKernel(fn, grid, dim3(kThreads), args, 0, stream),
                 std::string("launching the ") + (reduce ? "reduce" : "copy") + " kernel for " +
@@ -219,7 +245,7 @@ void launch_step(const Task* tasks, int ntasks, DType dtype, Op op, bool reduce,
 
 std::vector<std::string> all_reduce(const RankBuffer* bufs, int nranks, int64_t count,
                                     DType dtype, Op op, const DeviceStream* streams,
-                                    int nstreams) {
+                                    int nstreams, bool force_copy) {
   std::vector<std::string> staged;
   if (nranks <= 1 || count == 0) return staged;
   if (nranks > kMaxRanks) {
@@ -250,14 +276,16 @@ std::vector<std::string> all_reduce(const RankBuffer* bufs, int nranks, int64_t 
   std::map<int, DeviceState*> state;
   for (int d : devices) state[d] = &device_state(guard, d, multi ? size_t(steps + 2) : 0);
 
-  // Which ranks read their predecessor through a staging buffer, and their slot in it.
+  // Which ranks read their predecessor through copies (a staging buffer for reduce-scatter
+  // hops, straight into place for all-gather hops), and their slot in the staging buffer.
   std::vector<int> slot(nranks, -1);
   std::map<int, int> slots_on;
   for (int r = 0; r < nranks; ++r) {
     const int p = mod(r - 1, nranks);
     const int rd = bufs[r].device, pd = bufs[p].device;
-    if (rd != pd && !ensure_peer(guard, rd, pd)) {
-      slot[r] = slots_on[rd]++;
+    const bool no_peer = rd != pd && !ensure_peer(guard, rd, pd);
+    if (no_peer || force_copy) slot[r] = slots_on[rd]++;
+    if (no_peer) {
       staged.push_back("rank " + std::to_string(r) + " (cuda:" + std::to_string(rd) +
                        ") <- rank " + std::to_string(p) + " (cuda:" + std::to_string(pd) + ")");
     }
@@ -316,6 +344,11 @@ std::vector<std::string> all_reduce(const RankBuffer* bufs, int nranks, int64_t 
         }
         char* dst = static_cast<char*>(bufs[r].ptr) + c.offset * esize;
         const char* src = static_cast<const char*>(bufs[st.src_rank].ptr) + c.offset * esize;
+        if (slot[r] >= 0 && !st.reduce) {
+          RR_CUDA_CHECK(cudaMemcpyPeerAsync(dst, d, src, pd, size_t(c.count * esize), s),
+                        "copying " + where(int(k), d));
+          continue;
+        }
         if (slot[r] >= 0) {
           char* tmp = stage[d] + int64_t(slot[r]) * chunk_bytes;
           RR_CUDA_CHECK(cudaMemcpyPeerAsync(tmp, d, src, pd, size_t(c.count * esize), s),

@@ -41,11 +41,13 @@ void launch_step(const Task* tasks, int ntasks, DType dtype, Op op, bool reduce,
 
 // All-reduce in place. `streams` names one stream per distinct device among the buffers; the
 // call is ordered after work already queued there and work queued there afterwards sees the
-// result (cross-device dependencies go through events). Returns descriptions of the
-// neighbour pairs that had no peer access and were staged through cudaMemcpyPeerAsync.
+// result (cross-device dependencies go through events). Neighbours without peer access are
+// staged through cudaMemcpyPeerAsync; `force_copy` stages every hop that way (for testing and
+// measuring the copy transport on one GPU). Returns descriptions of the pairs staged for lack
+// of peer access.
 std::vector<std::string> all_reduce(const RankBuffer* bufs, int nranks, int64_t count,
                                     DType dtype, Op op, const DeviceStream* streams,
-                                    int nstreams);
+                                    int nstreams, bool force_copy);
 
 // Throws if this build has no kernel image that can run on `device`.
 void check_device_supported(int device);

@@ -99,7 +99,8 @@ RR_HD bf16_bits bf16_from_float(float f) {
 
 // IEEE binary16 <-> binary32. The host path is integer arithmetic that rounds exactly like the
 // device intrinsics used on the GPU (round to nearest, ties to even; overflow to infinity), so
-// CPU and GPU results agree bit for bit.
+// CPU and GPU results agree bit for bit, except for the bit patterns of NaNs (the device
+// returns one canonical NaN; the host keeps sign and payload): NaN-ness always agrees.
 RR_HD float to_float(half_bits v) {
 #if defined(__CUDA_ARCH__)
   return __half2float(__ushort_as_half(v.x));
@@ -206,8 +207,8 @@ template <typename T, Op op> struct Reducer {
 
 }  // namespace rr
 
-// Calls F.template operator()<T, op>() for the runtime (dtype, op) pair. Avg on integer types
-// is rejected by the bindings before dispatch; here it is simply not instantiated.
+// Runs the statement with T and kOp bound to the runtime (dtype, op) pair. Every pair is
+// instantiated, Avg on integer types too; the bindings reject that pair before dispatch.
 #define RR_DISPATCH_OP(T, OP, ...)                                                         \
   switch (OP) {                                                                             \
     case ::rr::Op::Sum: { constexpr ::rr::Op kOp = ::rr::Op::Sum; __VA_ARGS__; } break;    \

@@ -679,8 +679,10 @@ def main(argv=None, out=None) -> int:
               f"build_info() says cuda={build.get('cuda')}", file=sys.stderr)
         return 2
 
+    transport = os.environ.get("RINGREDUCE_TRANSPORT", "p2p")
     impls = [Impl("ringreduce", "ringreduce.all_reduce"
-                  + (" (CPU ring)" if cfg.device == "cpu" else ""),
+                  + (" (CPU ring)" if cfg.device == "cpu"
+                     else f" (RINGREDUCE_TRANSPORT={transport})"),
                   lambda ts: run_ringreduce(ts, cfg.op))]
     unavailable: dict[str, Unavailable] = {}
     nccl, why_not, nccl_info = setup_nccl(cfg)

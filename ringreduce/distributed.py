@@ -161,7 +161,9 @@ class RingReduceProcessGroup(_ProcessGroup):
         self._comm.close()
 
     def abort(self):
-        self._comm.close()
+        # Safe from another thread (a watchdog) while a collective waits: it marks the group
+        # failed, so the waiting call raises within ~50 ms; shutdown() then frees the group.
+        self._comm.abort()
 
     def set_timeout(self, timeout):
         self._timeout_s = _seconds(timeout)

@@ -11,6 +11,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 import traceback
 
@@ -147,6 +148,15 @@ def _collectives_sweep(rank, world, store, device):
         dist.all_gather_into_tensor(flat, mine)
         assert torch.equal(flat.cpu(), torch.cat([torch.arange(count) + 1000 * r
                                                   for r in range(world)]))
+        # The input is a view of the output straddling two slots (not this rank's own slot):
+        # the backend must gather from a copy, not from memory it is overwriting.
+        if count and world > 1:
+            flat = torch.full((world * count,), poison, dtype=torch.int64, device=device)
+            lo = count // 2
+            flat[lo:lo + count] = mine
+            dist.all_gather_into_tensor(flat, flat[lo:lo + count])
+            assert torch.equal(flat.cpu(), torch.cat([torch.arange(count) + 1000 * r
+                                                      for r in range(world)])), "overlap"
 
     for dtype in (torch.int32, torch.float64, torch.float32):
         for op in ("sum", "max", "prod", "avg"):
@@ -397,9 +407,16 @@ def _killed(rank, world, store, mode, device):
     dist.all_reduce(t)
     if rank == world - 1:
         if mode == "kill":
+            if t.is_cuda:
+                torch.cuda.synchronize()  # its part of the last collective is done: no race
             os.kill(os.getpid(), signal.SIGKILL)
         time.sleep(FAULT_TIMEOUT + 3)  # "hang": alive, but never joins the next collective
         return None
+    return _timed_all_reduce(t)
+
+
+def _timed_all_reduce(t):
+    """(error message or "no error", seconds the failing all_reduce took)."""
     start = time.monotonic()
     try:
         dist.all_reduce(t)
@@ -444,3 +461,31 @@ def test_rank_that_never_joins(tmp_path):
         assert "rank(s) 2 did not join" in msg, msg
         assert elapsed < 3.0 + 5.0
     assert _shm_names() <= before, f"left in /dev/shm: {_shm_names() - before}"
+
+
+def _abort_while_waiting(rank, world, store):
+    init(rank, world, store, timeout=60.0)
+    pg = dist.group.WORLD
+    t = torch.ones(100)
+    dist.all_reduce(t)
+    if rank == 1:
+        time.sleep(3.0)  # rank 0 waits for this rank in its next collective, and is aborted
+        return _timed_all_reduce(t)
+    # A watchdog thread aborts the group while this thread waits (GIL released) for rank 1.
+    timer = threading.Timer(0.5, pg.abort)
+    timer.start()
+    result = _timed_all_reduce(t)
+    timer.join()
+    dist.destroy_process_group()
+    assert pg._comm.closed
+    return result
+
+
+def test_abort_from_another_thread_stops_a_waiting_collective(tmp_path):
+    """abort() must not wait for the collective (lock order with the GIL); it fails the group,
+    so the waiting call raises at once, and the peer then fails fast instead of timing out."""
+    (msg0, elapsed0), (msg1, elapsed1) = values(run_ranks(_abort_while_waiting, 2, tmp_path))
+    assert "aborted" in msg0 and "all_reduce" in msg0, msg0
+    assert elapsed0 < 5.0, f"abort took {elapsed0:.1f} s to stop the collective: {msg0}"
+    assert "rank 0" in msg1 and "aborted" in msg1, msg1
+    assert elapsed1 < 5.0, f"the peer took {elapsed1:.1f} s to notice: {msg1}"

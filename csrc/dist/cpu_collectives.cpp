@@ -41,7 +41,7 @@ void all_reduce(HostGroup& g, void* data, int64_t count, DType dtype, Op op) {
   const Ctx ctx = g.begin(Kind::AllReduce);
   const int n = g.nranks();
   if (n == 1) return;
-  guarded(g, [&] {
+  guarded(g, ctx, [&] {
     const int rank = g.rank();
     const int pred = mod(rank - 1, n);
     const int64_t esize = elem_size(dtype);
@@ -104,7 +104,7 @@ void broadcast(HostGroup& g, void* data, int64_t bytes, int root) {
   const Ctx ctx = g.begin(Kind::Broadcast);
   const int n = g.nranks();
   if (n == 1) return;
-  guarded(g, [&] {
+  guarded(g, ctx, [&] {
     const int rank = g.rank();
     const int pred = mod(rank - 1, n);
     const int64_t cap = g.capacity();
@@ -135,7 +135,7 @@ void broadcast(HostGroup& g, void* data, int64_t bytes, int root) {
 void all_gather(HostGroup& g, const void* in, void* const* outs, int64_t bytes) {
   const Ctx ctx = g.begin(Kind::AllGather);
   const int n = g.nranks();
-  guarded(g, [&] {
+  guarded(g, ctx, [&] {
     const int rank = g.rank();
     const int64_t cap = g.capacity();
     const int64_t rounds = std::max<int64_t>(1, ceil_div(bytes, cap));
@@ -177,7 +177,7 @@ void reduce_scatter(HostGroup& g, const void* in, void* out, int64_t count, DTyp
     if (out != in) std::memmove(out, in, size_t(count * esize));
     return;
   }
-  guarded(g, [&] {
+  guarded(g, ctx, [&] {
     const int64_t piece = piece_elems(g, esize);
     const int64_t rounds = std::max<int64_t>(1, ceil_div(count, piece));
     const char* in_bytes = static_cast<const char*>(in);
@@ -218,7 +218,7 @@ void reduce_scatter(HostGroup& g, const void* in, void* out, int64_t count, DTyp
 void barrier(HostGroup& g) {
   const Ctx ctx = g.begin(Kind::Barrier);
   if (g.nranks() == 1) return;
-  guarded(g, [&] {
+  guarded(g, ctx, [&] {
     const uint64_t base = g.base();
     g.wait_all(base, ctx, "at the start of the barrier");
     g.set_desc(host_desc(ctx, -1, -1, -1, 0, 0));

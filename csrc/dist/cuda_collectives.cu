@@ -2,9 +2,12 @@
 // NOT RUN: compiled with nvcc, never executed (no GPU was available while it was written).
 #include "cuda_collectives.h"
 
+#include <algorithm>
+#include <chrono>
 #include <cstring>
 #include <stdexcept>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "../ring/cuda_check.h"
@@ -17,45 +20,73 @@ namespace cuda {
 
 namespace {
 
+using Clock = std::chrono::steady_clock;
+
+// Selects `device` for its scope and restores the previous device only if it changed it (the
+// binding already selects the tensor's device, so normally nothing changes).
 class DeviceGuard {
  public:
   explicit DeviceGuard(int device) {
     RR_CUDA_CHECK(cudaGetDevice(&prev_), "reading the current device");
-    if (prev_ != device) RR_CUDA_CHECK(cudaSetDevice(device), "selecting the rank's device");
+    if (prev_ != device) {
+      RR_CUDA_CHECK(cudaSetDevice(device), "selecting the rank's device");
+      changed_ = true;
+    }
   }
-  ~DeviceGuard() { cudaSetDevice(prev_); }
+  ~DeviceGuard() {
+    if (changed_) cudaSetDevice(prev_);
+  }
   DeviceGuard(const DeviceGuard&) = delete;
   DeviceGuard& operator=(const DeviceGuard&) = delete;
 
  private:
   int prev_ = 0;
+  bool changed_ = false;
 };
 
 // Opened peer allocations kept per peer. Torch's caching allocator reuses its allocations, so
 // a handful covers a training loop; beyond this the least recently used one is closed.
 constexpr size_t kMaxMappingsPerPeer = 32;
+// Streams whose end-of-collective events are tracked (see Peers::mark_done).
+constexpr size_t kMaxTrackedStreams = 16;
+// Teardown waits at most this long (or the group timeout, if shorter) for the GPU and peers.
+constexpr std::chrono::seconds kTeardownLimit{10};
+
+// Polls `e` until it has completed. False on timeout or on a CUDA error.
+bool poll_event(cudaEvent_t e, Clock::time_point deadline) {
+  for (;;) {
+    const cudaError_t err = cudaEventQuery(e);
+    if (err == cudaSuccess) return true;
+    if (err != cudaErrorNotReady) {
+      cudaGetLastError();
+      return false;
+    }
+    if (Clock::now() >= deadline) return false;
+    std::this_thread::sleep_for(std::chrono::microseconds(200));
+  }
+}
 
 }  // namespace
 
 class Peers {
  public:
   Peers(HostGroup& g, int device) : g_(g), device_(device) {}
+  // Every wait here is bounded; what cannot be released safely in time is leaked (process exit
+  // frees it): destroying an IPC event a peer may still wait on, or unmapping memory a queued
+  // kernel still reads, is undefined behaviour.
   ~Peers() {
-    // Queued kernels may still read peer memory or wait on peer events: finish them first.
-    cudaSetDevice(device_);
-    cudaDeviceSynchronize();
-    for (auto& per_peer : maps_)
-      for (Mapping& m : per_peer) cudaIpcCloseMemHandle(m.base);
-    for (auto& per_peer : peer_events_)
-      for (cudaEvent_t e : per_peer) cudaEventDestroy(e);
-    for (cudaEvent_t e : own_) cudaEventDestroy(e);
+    try {
+      DeviceGuard guard(device_);
+      teardown();
+    } catch (...) {
+    }
   }
 
   void setup() {
     const Ctx ctx = g_.begin(Kind::CudaSetup);
     const int n = g_.nranks();
     const int rank = g_.rank();
-    guarded(g_, [&] {
+    guarded(g_, ctx, [&] {
       DeviceGuard guard(device_);
       ::rr::cuda::check_device_supported(device_);
       // A ring phase records 2N - 1 events (input ready, then one per step); one-shot
@@ -111,6 +142,52 @@ class Peers {
 
   int device() const { return device_; }
   cudaEvent_t own(int i) const { return own_[size_t(i)]; }
+
+  // Records the end of a collective's work on `stream` (after its waits on the peers' events).
+  // Teardown and mapping eviction wait for these events instead of the whole device. Returns
+  // false when it could not (the work is then untracked; the caller reports or leaks).
+  bool mark_done(cudaStream_t stream, Clock::time_point deadline) {
+    auto it = std::find_if(done_.begin(), done_.end(),
+                           [&](const Done& d) { return d.stream == stream; });
+    if (it == done_.end()) {
+      if (done_.size() >= kMaxTrackedStreams) {
+        // Make room: forget streams whose last collective has finished, else wait for the
+        // oldest one.
+        done_.erase(std::remove_if(done_.begin(), done_.end(),
+                                   [](const Done& d) {
+                                     if (cudaEventQuery(d.event) != cudaSuccess) return false;
+                                     cudaEventDestroy(d.event);
+                                     return true;
+                                   }),
+                    done_.end());
+        cudaGetLastError();
+        if (done_.size() >= kMaxTrackedStreams) {
+          if (!poll_event(done_.front().event, deadline)) return false;
+          cudaEventDestroy(done_.front().event);
+          done_.erase(done_.begin());
+        }
+      }
+      Done d{stream, nullptr};
+      if (cudaEventCreateWithFlags(&d.event, cudaEventDisableTiming) != cudaSuccess) {
+        cudaGetLastError();
+        return false;
+      }
+      done_.push_back(d);
+      it = done_.end() - 1;
+    }
+    if (cudaEventRecord(it->event, stream) != cudaSuccess) {
+      cudaGetLastError();
+      return false;
+    }
+    return true;
+  }
+
+  // Waits until every collective this rank has queued has finished on the GPU.
+  bool wait_own_work(Clock::time_point deadline) const {
+    for (const Done& d : done_)
+      if (!poll_event(d.event, deadline)) return false;
+    return true;
+  }
   cudaEvent_t peer_event(int r, int i) const { return peer_events_[size_t(r)][size_t(i)]; }
 
   // Publishes `buf` (its allocation's IPC handle and offset) in this rank's header.
@@ -118,8 +195,9 @@ class Peers {
     CudaArea& area = g_.header(g_.rank())->cuda;
     cudaIpcMemHandle_t h;
     RR_CUDA_CHECK(cudaIpcGetMemHandle(&h, buf.alloc_base),
-                 "exporting the " + what + " (CUDA IPC needs memory from cudaMalloc; with "
-                 "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True it is not)");
+                 "exporting the " + what + " (CUDA IPC needs memory that PyTorch's caching "
+                 "allocator got from cudaMalloc: it is not with PYTORCH_CUDA_ALLOC_CONF="
+                 "expandable_segments:True nor with the backend:cudaMallocAsync allocator)");
     std::memcpy(area.mem.bytes, &h, sizeof(h));
     area.mem_offset = static_cast<char*>(buf.ptr) - static_cast<char*>(buf.alloc_base);
   }
@@ -139,18 +217,29 @@ class Peers {
       size_t lru = 0;
       for (size_t i = 1; i < maps.size(); ++i)
         if (maps[i].last_use < maps[lru].last_use) lru = i;
-      // Work already queued may still read the mapping.
-      RR_CUDA_CHECK(cudaDeviceSynchronize(), "retiring an old peer mapping");
+      // Work already queued may still read the mapping: every read of it was queued by an
+      // earlier collective, so waiting for this rank's collectives so far covers them.
+      if (!wait_own_work(Clock::now() + g_.timeout()))
+        throw std::runtime_error(
+            "ringreduce: earlier GPU work reading rank " + std::to_string(r) + "'s memory did "
+            "not finish within the group timeout, so its mapping cannot be closed");
       RR_CUDA_CHECK(cudaIpcCloseMemHandle(maps[lru].base), "closing an old peer mapping");
       maps.erase(maps.begin() + long(lru));
     }
     cudaIpcMemHandle_t h;
     std::memcpy(&h, area.mem.bytes, sizeof(h));
     void* base = nullptr;
+    const CudaArea& mine = g_.header(g_.rank())->cuda;
+    const bool same_gpu =
+        std::memcmp(mine.device_uuid, area.device_uuid, sizeof(area.device_uuid)) == 0;
     RR_CUDA_CHECK(cudaIpcOpenMemHandle(&base, h, cudaIpcMemLazyEnablePeerAccess),
-                 "opening rank " + std::to_string(r) + "'s " + what + " (cuda:" +
-                     std::to_string(area.device) + " from cuda:" + std::to_string(device_) +
-                     "; distinct GPUs need peer-to-peer access)");
+                 "opening rank " + std::to_string(r) + "'s " + what + " (its cuda:" +
+                     std::to_string(area.device) + " from this rank's cuda:" +
+                     std::to_string(device_) +
+                     (same_gpu ? "; both are the same GPU: the peer's allocation may already "
+                                 "be freed, or the GPU is in a compute mode that forbids "
+                                 "sharing between processes"
+                               : "; distinct GPUs need peer-to-peer access") + ")");
     Mapping m;
     std::memcpy(m.handle.bytes, area.mem.bytes, kIpcHandleBytes);
     m.base = base;
@@ -165,8 +254,32 @@ class Peers {
     void* base;
     uint64_t last_use;
   };
+  struct Done {
+    cudaStream_t stream;
+    cudaEvent_t event;
+  };
+
+  // (a) this rank's GPU work, (b) imported handles, (c) the peers' release, (d) own events.
+  void teardown() {
+    const Clock::time_point deadline = Clock::now() + std::min<Clock::duration>(
+        g_.timeout(), std::chrono::duration_cast<Clock::duration>(kTeardownLimit));
+    if (!wait_own_work(deadline)) return;  // queued work may still use peer memory and events
+    for (auto& per_peer : maps_)
+      for (Mapping& m : per_peer) cudaIpcCloseMemHandle(m.base);
+    maps_.clear();
+    for (auto& per_peer : peer_events_)
+      for (cudaEvent_t e : per_peer) cudaEventDestroy(e);
+    peer_events_.clear();
+    for (const Done& d : done_) cudaEventDestroy(d.event);
+    done_.clear();
+    if (!g_.release_cuda_and_wait(deadline)) return;  // a peer may still wait on them: leak
+    for (cudaEvent_t e : own_) cudaEventDestroy(e);
+    own_.clear();
+  }
+
   HostGroup& g_;
   int device_;
+  std::vector<Done> done_;
   std::vector<cudaEvent_t> own_;
   std::vector<std::vector<cudaEvent_t>> peer_events_;
   std::vector<std::vector<Mapping>> maps_;
@@ -205,6 +318,26 @@ void wait_for_readers(HostGroup& g, Peers& p, const Ctx& ctx, uint64_t base,
   }
 }
 
+// Runs a collective's body on the rank's device inside guarded(), then records its end on
+// `stream`, also when it failed part-way (waits on peer events it queued must be tracked).
+template <typename F>
+void run_collective(HostGroup& g, const Ctx& ctx, Peers& p, cudaStream_t stream, F&& body) {
+  guarded(g, ctx, [&] {
+    DeviceGuard guard(p.device());
+    try {
+      body();
+    } catch (...) {
+      p.mark_done(stream, Clock::now() + g.timeout());
+      throw;
+    }
+    if (!p.mark_done(stream, Clock::now() + g.timeout()))
+      throw std::runtime_error(
+          "ringreduce: could not record the end of the collective on the stream (a CUDA error, "
+          "or the GPU work of earlier collectives on 16 other streams did not finish within "
+          "the group timeout)");
+  });
+}
+
 std::vector<int> others(const HostGroup& g) {
   std::vector<int> v;
   for (int j = 1; j < g.nranks(); ++j) v.push_back((g.rank() + j) % g.nranks());
@@ -218,8 +351,7 @@ void all_reduce(HostGroup& g, Peers& p, Buffer buf, int64_t count, DType dtype, 
   const Ctx ctx = g.begin(Kind::AllReduce);
   const int n = g.nranks();
   if (n == 1) return;
-  guarded(g, [&] {
-    DeviceGuard guard(p.device());
+  run_collective(g, ctx, p, stream, [&] {
     const int rank = g.rank();
     const int pred = mod(rank - 1, n);
     const int succ = mod(rank + 1, n);
@@ -267,8 +399,7 @@ void broadcast(HostGroup& g, Peers& p, Buffer buf, int64_t bytes, int root, cuda
   const Ctx ctx = g.begin(Kind::Broadcast);
   const int n = g.nranks();
   if (n == 1) return;
-  guarded(g, [&] {
-    DeviceGuard guard(p.device());
+  run_collective(g, ctx, p, stream, [&] {
     const int rank = g.rank();
     const uint64_t base = g.base();
     g.wait_all(base, ctx, "at the start of the collective");
@@ -303,8 +434,7 @@ void all_gather(HostGroup& g, Peers& p, Buffer in, void* const* outs, int64_t by
   const Ctx ctx = g.begin(Kind::AllGather);
   const int n = g.nranks();
   const int rank = g.rank();
-  guarded(g, [&] {
-    DeviceGuard guard(p.device());
+  run_collective(g, ctx, p, stream, [&] {
     const uint64_t base = g.base();
     if (n > 1) {
       g.wait_all(base, ctx, "at the start of the collective");
@@ -342,8 +472,7 @@ void reduce_scatter(HostGroup& g, Peers& p, Buffer in, void* out, int64_t count,
   const int rank = g.rank();
   const int64_t esize = elem_size(dtype);
   const int64_t seg_bytes = count * esize;
-  guarded(g, [&] {
-    DeviceGuard guard(p.device());
+  run_collective(g, ctx, p, stream, [&] {
     if (n == 1) {
       if (seg_bytes > 0 && out != in.ptr)
         RR_CUDA_CHECK(cudaMemcpyAsync(out, in.ptr, size_t(seg_bytes), cudaMemcpyDefault, stream),

@@ -21,6 +21,13 @@
 // result, and a rank's buffer is not reused on its stream before every peer's kernels have
 // finished reading it (the rank's stream waits for its readers' last events).
 //
+// Teardown (destroy_process_group): bounded throughout. A rank waits for its own collectives'
+// GPU work (events recorded at the end of each collective, not cudaDeviceSynchronize), closes
+// the peers' mappings and events, announces that in shared memory and waits for every peer's
+// announcement before destroying its own exported events; what cannot be released in time is
+// leaked until process exit. Known limitation: a peer's cached mapping does not keep the
+// exporter's allocation alive (torch.cuda.empty_cache() may cudaFree it).
+//
 // NOT RUN: this file was compiled with nvcc but never executed (no GPU was available while
 // it was written). Its tests skip without a GPU.
 #pragma once

@@ -62,6 +62,22 @@ int64_t nbytes(const at::Tensor& t) { return t.numel() * int64_t(t.element_size(
 }
 #endif
 
+std::string error_text(const std::exception& e) {
+  const auto* c10_error = dynamic_cast<const c10::Error*>(&e);
+  return c10_error != nullptr ? c10_error->what_without_backtrace() : e.what();
+}
+
+bool overlaps(const at::Tensor& a, const at::Tensor& b) {
+  if (nbytes(a) == 0 || nbytes(b) == 0) return false;
+  const auto a_lo = reinterpret_cast<uintptr_t>(a.data_ptr());
+  const auto b_lo = reinterpret_cast<uintptr_t>(b.data_ptr());
+  return a_lo < b_lo + uintptr_t(nbytes(b)) && b_lo < a_lo + uintptr_t(nbytes(a));
+}
+
+// Locking: arguments are checked with the GIL held; then the GIL is released BEFORE mu_ is
+// taken, and nothing under mu_ touches a Python object, so a thread waiting for mu_ never holds
+// the GIL. abort() takes neither: it marks the group failed, which stops a collective waiting
+// in another thread within ~50 ms.
 class Comm {
  public:
   Comm(int rank, int nranks, int64_t capacity, double timeout_s, const std::string& tag)
@@ -73,24 +89,34 @@ class Comm {
   bool closed() const { return g_.closed(); }
 
   void attach(const std::vector<std::string>& names) {
-    std::lock_guard<std::mutex> lock(mu_);
     pybind11::gil_scoped_release no_gil;
+    std::lock_guard<std::mutex> lock(mu_);
     g_.attach(names);
   }
   void unlink() {
+    pybind11::gil_scoped_release no_gil;
     std::lock_guard<std::mutex> lock(mu_);
     g_.unlink();
   }
   void set_timeout(double seconds) {
+    pybind11::gil_scoped_release no_gil;
     std::lock_guard<std::mutex> lock(mu_);
     g_.set_timeout(seconds);
   }
   void close() {
+    pybind11::gil_scoped_release no_gil;
     std::lock_guard<std::mutex> lock(mu_);
 #ifdef RINGREDUCE_WITH_CUDA
-    peers_.reset();
+    if (peers_) {
+      c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(rr::dist::cuda::device_of(*peers_)));
+      peers_.reset();
+    }
 #endif
     g_.close();
+  }
+  void abort() {
+    g_.fail("ringreduce: the process group was aborted on rank " + std::to_string(g_.rank()) +
+            " (ProcessGroup.abort)");
   }
 
   void all_reduce(const at::Tensor& t, const std::string& op_name) {
@@ -98,20 +124,19 @@ class Comm {
     check_dense(t, fn, "tensor");
     const rr::DType dtype = to_dtype(t, fn, "tensor");
     const rr::Op op = to_op(op_name, dtype, fn);
+    pybind11::gil_scoped_release no_gil;
     std::lock_guard<std::mutex> lock(mu_);
     if (t.is_cuda()) {
 #ifdef RINGREDUCE_WITH_CUDA
+      c10::cuda::CUDAGuard guard(t.device());
       CudaCall c = cuda_call(t, fn);
-      pybind11::gil_scoped_release no_gil;
-      rr::dist::cuda::all_reduce(g_, *c.peers, buffer(t), t.numel(), dtype, op, c.stream);
+      rr::dist::cuda::all_reduce(g_, *c.peers, buffer(t, fn), t.numel(), dtype, op, c.stream);
       return;
 #else
       no_cuda(fn);
 #endif
     }
-    void* data = t.data_ptr();
-    pybind11::gil_scoped_release no_gil;
-    rr::dist::cpu::all_reduce(g_, data, t.numel(), dtype, op);
+    rr::dist::cpu::all_reduce(g_, t.data_ptr(), t.numel(), dtype, op);
   }
 
   void broadcast(const at::Tensor& t, int root) {
@@ -119,55 +144,64 @@ class Comm {
     check_dense(t, fn, "tensor");
     TORCH_CHECK_VALUE(root >= 0 && root < g_.nranks(), "ringreduce broadcast: root must be in "
                       "[0, ", g_.nranks(), "); got ", root);
+    pybind11::gil_scoped_release no_gil;
     std::lock_guard<std::mutex> lock(mu_);
     if (t.is_cuda()) {
 #ifdef RINGREDUCE_WITH_CUDA
+      c10::cuda::CUDAGuard guard(t.device());
       CudaCall c = cuda_call(t, fn);
-      pybind11::gil_scoped_release no_gil;
-      rr::dist::cuda::broadcast(g_, *c.peers, buffer(t), nbytes(t), root, c.stream);
+      rr::dist::cuda::broadcast(g_, *c.peers, buffer(t, fn), nbytes(t), root, c.stream);
       return;
 #else
       no_cuda(fn);
 #endif
     }
-    void* data = t.data_ptr();
-    pybind11::gil_scoped_release no_gil;
-    rr::dist::cpu::broadcast(g_, data, nbytes(t), root);
+    rr::dist::cpu::broadcast(g_, t.data_ptr(), nbytes(t), root);
   }
 
-  void all_gather(const std::vector<at::Tensor>& outs, const at::Tensor& in) {
+  void all_gather(const std::vector<at::Tensor>& outs, const at::Tensor& input) {
     const char* fn = "all_gather";
-    check_dense(in, fn, "input");
+    check_dense(input, fn, "input");
     TORCH_CHECK_VALUE(int(outs.size()) == g_.nranks(), "ringreduce all_gather: the output list "
                       "must hold one tensor per rank (", g_.nranks(), "); got ", outs.size());
     std::vector<void*> ptrs;
     for (size_t i = 0; i < outs.size(); ++i) {
       const std::string arg = "output[" + std::to_string(i) + "]";
       check_dense(outs[i], fn, arg.c_str());
-      TORCH_CHECK_VALUE(outs[i].device() == in.device(), "ringreduce all_gather: ", arg,
-                        " is on ", outs[i].device(), " but the input is on ", in.device());
-      TORCH_CHECK_TYPE(outs[i].scalar_type() == in.scalar_type(), "ringreduce all_gather: ",
+      TORCH_CHECK_VALUE(outs[i].device() == input.device(), "ringreduce all_gather: ", arg,
+                        " is on ", outs[i].device(), " but the input is on ", input.device());
+      TORCH_CHECK_TYPE(outs[i].scalar_type() == input.scalar_type(), "ringreduce all_gather: ",
                        arg, " has dtype ", outs[i].scalar_type(), " but the input has ",
-                       in.scalar_type());
-      TORCH_CHECK_VALUE(outs[i].numel() == in.numel(), "ringreduce all_gather: ", arg, " has ",
-                        outs[i].numel(), " elements but the input has ", in.numel());
+                       input.scalar_type());
+      TORCH_CHECK_VALUE(outs[i].numel() == input.numel(), "ringreduce all_gather: ", arg,
+                        " has ", outs[i].numel(), " elements but the input has ", input.numel());
       ptrs.push_back(outs[i].data_ptr());
     }
+    // The input may be exactly this rank's output slot (all_gather_into_tensor in place). Any
+    // other overlap with an output goes through a copy: on CUDA the peers read the input while
+    // this rank writes its outputs, and on CPU a later round would read overwritten input.
+    const int me = g_.rank();
+    bool clash = false;
+    for (int q = 0; q < g_.nranks(); ++q) {
+      const bool own_slot = q == me && outs[size_t(q)].data_ptr() == input.data_ptr();
+      clash = clash || (!own_slot && overlaps(outs[size_t(q)], input));
+    }
+    const at::Tensor in = clash ? input.clone(at::MemoryFormat::Contiguous) : input;
+    pybind11::gil_scoped_release no_gil;
     std::lock_guard<std::mutex> lock(mu_);
     if (in.is_cuda()) {
 #ifdef RINGREDUCE_WITH_CUDA
+      c10::cuda::CUDAGuard guard(in.device());
       CudaCall c = cuda_call(in, fn);
       for (const at::Tensor& o : outs) record(o);
-      pybind11::gil_scoped_release no_gil;
-      rr::dist::cuda::all_gather(g_, *c.peers, buffer(in), ptrs.data(), nbytes(in), c.stream);
+      rr::dist::cuda::all_gather(g_, *c.peers, buffer(in, fn), ptrs.data(), nbytes(in),
+                                 c.stream);
       return;
 #else
       no_cuda(fn);
 #endif
     }
-    const void* data = in.data_ptr();
-    pybind11::gil_scoped_release no_gil;
-    rr::dist::cpu::all_gather(g_, data, ptrs.data(), nbytes(in));
+    rr::dist::cpu::all_gather(g_, in.data_ptr(), ptrs.data(), nbytes(in));
   }
 
   void reduce_scatter(const at::Tensor& out, const at::Tensor& in, const std::string& op_name) {
@@ -183,38 +217,35 @@ class Comm {
     TORCH_CHECK_VALUE(in.numel() == out.numel() * g_.nranks(), "ringreduce reduce_scatter: "
                       "input must hold world size (", g_.nranks(), ") x output elements (",
                       out.numel(), "); got ", in.numel());
+    // The CUDA executor reads this rank's input while it writes the output, so any overlap
+    // goes through a scratch output. The CPU one stages each round's input first, so only
+    // this rank's own segment (reduce_scatter_tensor in place) is safe there.
+    const bool own_segment = static_cast<const char*>(out.data_ptr()) ==
+                             static_cast<const char*>(in.data_ptr()) + g_.rank() * nbytes(out);
+    const bool scratch = overlaps(out, in) && (in.is_cuda() || !own_segment);
+    const at::Tensor dst = scratch ? at::empty_like(out) : out;
+    pybind11::gil_scoped_release no_gil;
     std::lock_guard<std::mutex> lock(mu_);
     if (in.is_cuda()) {
 #ifdef RINGREDUCE_WITH_CUDA
+      c10::cuda::CUDAGuard guard(in.device());
       CudaCall c = cuda_call(in, fn);
       record(out);
-      // The CUDA executor reads this rank's input while it writes the output: an output that
-      // overlaps the input (reduce_scatter_tensor in place) goes through a scratch tensor.
-      const auto in_lo = reinterpret_cast<uintptr_t>(in.data_ptr());
-      const auto out_lo = reinterpret_cast<uintptr_t>(out.data_ptr());
-      const bool overlap = nbytes(out) > 0 && out_lo < in_lo + uintptr_t(nbytes(in)) &&
-                           in_lo < out_lo + uintptr_t(nbytes(out));
-      at::Tensor dst = overlap ? at::empty_like(out) : out;
-      {
-        pybind11::gil_scoped_release no_gil;
-        rr::dist::cuda::reduce_scatter(g_, *c.peers, buffer(in), dst.data_ptr(), out.numel(),
-                                       dtype, op, c.stream);
-      }
-      if (overlap) out.copy_(dst);
+      rr::dist::cuda::reduce_scatter(g_, *c.peers, buffer(in, fn), dst.data_ptr(), out.numel(),
+                                     dtype, op, c.stream);
+      if (scratch) out.copy_(dst);
       return;
 #else
       no_cuda(fn);
 #endif
     }
-    const void* src = in.data_ptr();
-    void* dst = out.data_ptr();
-    pybind11::gil_scoped_release no_gil;
-    rr::dist::cpu::reduce_scatter(g_, src, dst, out.numel(), dtype, op);
+    rr::dist::cpu::reduce_scatter(g_, in.data_ptr(), dst.data_ptr(), out.numel(), dtype, op);
+    if (scratch) out.copy_(dst);
   }
 
   void barrier() {
-    std::lock_guard<std::mutex> lock(mu_);
     pybind11::gil_scoped_release no_gil;
+    std::lock_guard<std::mutex> lock(mu_);
     rr::dist::cpu::barrier(g_);
   }
 
@@ -225,20 +256,26 @@ class Comm {
     cudaStream_t stream;
   };
 
-  // The first CUDA collective sets up this rank's IPC events on the tensor's device (a
-  // collective step of its own); every later one must use that same device.
+  // Runs under mu_ without the GIL, on the tensor's device. The first CUDA collective sets up
+  // this rank's IPC events on that device (a collective step of its own); every later one
+  // must use that same device.
   CudaCall cuda_call(const at::Tensor& t, const char* fn) {
     const int dev = t.get_device();
-    if (!peers_) {
-      pybind11::gil_scoped_release no_gil;
-      peers_ = rr::dist::cuda::make_peers(g_, dev);
-    }
+    const cudaStream_t stream =
+        c10::cuda::getCurrentCUDAStream(static_cast<c10::DeviceIndex>(dev)).stream();
+    cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+    const cudaError_t err = cudaStreamIsCapturing(stream, &capture);
+    if (err != cudaSuccess) cudaGetLastError();
+    TORCH_CHECK(err == cudaSuccess, "ringreduce ", fn, ": could not query whether the current "
+                "stream is being captured into a CUDA graph: ", cudaGetErrorName(err), " (",
+                cudaGetErrorString(err), ")");
+    TORCH_CHECK(capture == cudaStreamCaptureStatusNone, "ringreduce ", fn, ": cannot run inside "
+                "CUDA graph capture (multi-process collectives synchronise on the host)");
+    if (!peers_) peers_ = rr::dist::cuda::make_peers(g_, dev);
     TORCH_CHECK_VALUE(rr::dist::cuda::device_of(*peers_) == dev, "ringreduce ", fn, ": tensor "
                       "is on cuda:", dev, " but this rank's earlier CUDA collectives used cuda:",
                       rr::dist::cuda::device_of(*peers_), "; a process group rank drives one "
                       "GPU");
-    const cudaStream_t stream =
-        c10::cuda::getCurrentCUDAStream(static_cast<c10::DeviceIndex>(dev)).stream();
     record(t);
     return CudaCall{peers_.get(), stream};
   }
@@ -252,13 +289,27 @@ class Comm {
   }
 
   // The tensor and the start of the cudaMalloc allocation that holds it: the caching allocator
-  // looks blocks up by the storage's own pointer, and CUDA IPC exports whole allocations.
-  static rr::dist::cuda::Buffer buffer(const at::Tensor& t) {
+  // looks blocks up by the storage's own pointer, and CUDA IPC exports whole allocations. A
+  // failure here comes before the executor takes its sequence number, so it marks the group
+  // failed itself: the peers then fail at once instead of timing out.
+  rr::dist::cuda::Buffer buffer(const at::Tensor& t, const char* fn) {
     if (nbytes(t) == 0) return rr::dist::cuda::Buffer{t.data_ptr(), t.data_ptr()};
-    size_t alloc_size = 0;
-    void* base = c10::cuda::CUDACachingAllocator::getBaseAllocation(
-        t.storage().data_ptr().get(), &alloc_size);
-    return rr::dist::cuda::Buffer{t.data_ptr(), base};
+    try {
+      size_t alloc_size = 0;
+      void* base = c10::cuda::CUDACachingAllocator::getBaseAllocation(
+          t.storage().data_ptr().get(), &alloc_size);
+      return rr::dist::cuda::Buffer{t.data_ptr(), base};
+    } catch (const std::exception& e) {
+      const std::string msg =
+          std::string("ringreduce ") + fn + " on rank " + std::to_string(g_.rank()) +
+          ": cannot share the tensor with the other ranks through CUDA IPC: " +
+          error_text(e) + " (CUDA IPC needs memory that PyTorch's caching "
+          "allocator got from cudaMalloc: it is not with PYTORCH_CUDA_ALLOC_CONF="
+          "expandable_segments:True nor with the backend:cudaMallocAsync allocator, and a tensor "
+          "from another allocator cannot be shared)";
+      g_.fail(msg);
+      TORCH_CHECK(false, msg);
+    }
   }
 
 #endif
@@ -292,6 +343,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("attach", &Comm::attach, pybind11::arg("names"))
       .def("unlink", &Comm::unlink)
       .def("close", &Comm::close)
+      .def("abort", &Comm::abort)
       .def("set_timeout", &Comm::set_timeout, pybind11::arg("seconds"))
       .def("all_reduce", &Comm::all_reduce, pybind11::arg("tensor"), pybind11::arg("op"))
       .def("broadcast", &Comm::broadcast, pybind11::arg("tensor"), pybind11::arg("root"))

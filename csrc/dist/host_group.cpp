@@ -140,6 +140,7 @@ HostGroup::HostGroup(int rank, int nranks, int64_t capacity, double timeout_s,
   h->wake.store(0, std::memory_order_relaxed);
   h->waiters.store(0, std::memory_order_relaxed);
   h->waiting_for.store(-1, std::memory_order_relaxed);
+  h->cuda_released.store(0, std::memory_order_relaxed);
   h->state.store(kLive, std::memory_order_release);
   headers_[size_t(rank)] = h;
 }
@@ -199,6 +200,7 @@ void HostGroup::unlink() {
 }
 
 void HostGroup::close() {
+  std::lock_guard<std::mutex> lock(state_mu_);
   if (closed_) return;
   unlink();
   Header* own = headers_[size_t(rank_)];
@@ -213,7 +215,7 @@ void HostGroup::close() {
     if (h != nullptr) munmap(h, map_bytes_);
     h = nullptr;
   }
-  closed_ = true;
+  closed_.store(true, std::memory_order_release);
 }
 
 char* HostGroup::staging(int r) const {
@@ -344,6 +346,11 @@ void HostGroup::wait(int peer, uint64_t target, const Ctx& ctx, const std::strin
     const uint32_t state = h->state.load(std::memory_order_acquire);
     if (state == kAborted) raise_peer_problem(peer, target, ctx, what, Problem::Aborted);
     if (state == kClosed) raise_peer_problem(peer, target, ctx, what, Problem::Closed);
+    const Header* me = headers_[size_t(rank_)];
+    if (me->state.load(std::memory_order_acquire) != kLive)
+      throw CommError("ringreduce: " + describe(ctx) + " stopped " + what + " while waiting for "
+                      "rank " + std::to_string(peer) + ": this rank's process group failed: " +
+                      me->message);
     const auto t = Clock::now();
     if (t >= ctx.deadline) raise_peer_problem(peer, target, ctx, what, Problem::Timeout);
     if (t >= next_liveness_check) {
@@ -375,6 +382,7 @@ void HostGroup::check_desc(int peer, const Ctx& ctx) const {
 }
 
 void HostGroup::fail(const std::string& msg) {
+  std::lock_guard<std::mutex> lock(state_mu_);
   if (closed_) return;
   Header* own = headers_[size_t(rank_)];
   if (own->state.load(std::memory_order_acquire) != kLive) return;
@@ -382,6 +390,26 @@ void HostGroup::fail(const std::string& msg) {
   own->state.store(kAborted, std::memory_order_seq_cst);
   own->wake.fetch_add(1, std::memory_order_seq_cst);
   futex_wake_all(&own->wake);
+}
+
+bool HostGroup::release_cuda_and_wait(Clock::time_point deadline) const {
+  if (closed()) return false;
+  headers_[size_t(rank_)]->cuda_released.store(1, std::memory_order_seq_cst);
+  for (int r = 0; r < nranks_; ++r) {
+    if (r == rank_) continue;
+    const Header* h = headers_[size_t(r)];
+    auto next_liveness_check = Clock::now();
+    while (h->cuda_released.load(std::memory_order_acquire) == 0) {
+      const auto t = Clock::now();
+      if (t >= deadline) return false;
+      if (t >= next_liveness_check) {
+        if (peer_dead(r)) break;
+        next_liveness_check = t + std::chrono::milliseconds(100);
+      }
+      std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    }
+  }
+  return true;
 }
 
 }  // namespace dist

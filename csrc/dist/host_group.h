@@ -21,6 +21,7 @@
 #include <atomic>
 #include <chrono>
 #include <cstdint>
+#include <mutex>
 #include <stdexcept>
 #include <string>
 #include <vector>
@@ -94,6 +95,7 @@ struct alignas(64) Header {
   std::atomic<uint32_t> waiters;              // peers sleeping on `wake`
   alignas(64) std::atomic<int32_t> waiting_for;  // the rank this one is blocked on, or -1
   alignas(64) std::atomic<uint32_t> state;    // kLive / kAborted / kClosed
+  std::atomic<uint32_t> cuda_released;        // 1: holds no peer's IPC events or memory any more
   char message[1024];                         // why, when not kLive
   alignas(64) Desc desc;
   alignas(64) CudaArea cuda;
@@ -128,6 +130,7 @@ class HostGroup {
   int nranks() const { return nranks_; }
   int64_t capacity() const { return capacity_; }
   void set_timeout(double seconds);
+  std::chrono::nanoseconds timeout() const { return timeout_; }
 
   // Maps every peer's segment (names[r] is rank r's); checks each header.
   void attach(const std::vector<std::string>& names);
@@ -135,7 +138,7 @@ class HostGroup {
   void unlink();
   // Marks this rank closed (peers still waiting on it fail at once) and unmaps everything.
   void close();
-  bool closed() const { return closed_; }
+  bool closed() const { return closed_.load(std::memory_order_acquire); }
 
   Header* header(int r) const { return headers_[r]; }
   char* staging(int r) const;
@@ -157,9 +160,17 @@ class HostGroup {
   // Throws a CommError if rank `peer`'s descriptor disagrees with this rank's.
   void check_desc(int peer, const Ctx& ctx) const;
 
-  // Marks this rank aborted with `msg` and wakes its waiters; later collectives fail at once.
+  // Marks this rank aborted with `msg` and wakes its waiters; later collectives fail at once,
+  // and a wait in progress on this rank (another thread: ProcessGroup.abort) stops within
+  // ~50 ms. Safe to call from any thread at any time, also after close().
   void fail(const std::string& msg);
   std::string describe(const Ctx& ctx) const;  // "all_reduce #3 on rank 1"
+
+  // Teardown of the CUDA path: announces that this rank has released every peer's IPC events
+  // and memory, then waits (at most until `deadline`) until every peer has announced the same,
+  // has closed its group or has exited. True when all have: this rank's exported events are
+  // then no longer used by anyone and may be destroyed.
+  bool release_cuda_and_wait(std::chrono::steady_clock::time_point deadline) const;
 
  private:
   enum class Problem { Timeout, Exited, Aborted, Closed };
@@ -176,20 +187,30 @@ class HostGroup {
   size_t map_bytes_ = 0;
   std::vector<Header*> headers_;
   bool linked_ = false;
-  bool closed_ = false;
+  std::atomic<bool> closed_{false};
+  // fail() may come from another thread (abort) while close() unmaps: they exclude each other.
+  std::mutex state_mu_;
   uint64_t base_ = 0;
   uint64_t seq_ = 0;
 };
 
 // Runs one collective's body; on any failure marks this rank aborted (so peers waiting on it
-// fail at once, naming it) and rethrows.
+// fail at once, naming it) and rethrows. Failures that are not CommErrors (CUDA errors) are
+// rethrown as std::runtime_error prefixed with the collective's description.
 template <typename F>
-void guarded(HostGroup& g, F&& body) {
+void guarded(HostGroup& g, const Ctx& ctx, F&& body) {
   try {
     body();
-  } catch (const std::exception& e) {
+  } catch (const CommError& e) {
     g.fail(e.what());
     throw;
+  } catch (const std::exception& e) {
+    std::string what = e.what();
+    const std::string prefix = "ringreduce: ";
+    if (what.compare(0, prefix.size(), prefix) == 0) what.erase(0, prefix.size());
+    const std::string msg = prefix + g.describe(ctx) + ": " + what;
+    g.fail(msg);
+    throw std::runtime_error(msg);
   }
 }
 

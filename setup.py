@@ -82,10 +82,10 @@ def make_extensions():
             extra_compile_args={"cxx": cxx})
 
     exts = [ext("ringreduce._C", sources("bindings.cpp", "ring/*.cpp"), sources("ring/*.cu"))]
-    if os.path.isdir(os.path.join(ROOT, "csrc", "dist")):
+    if os.path.isdir(os.path.join(ROOT, "csrc", "multiprocess")):
         exts.append(ext("ringreduce._dist_C",
-                        sources("dist/*.cpp", "ring/cpu_executor.cpp"),
-                        sources("dist/*.cu", "ring/cuda_executor.cu")))
+                        sources("multiprocess/*.cpp", "ring/cpu_executor.cpp"),
+                        sources("multiprocess/*.cu", "ring/cuda_executor.cu")))
     return exts
 
 

@@ -16,7 +16,7 @@ segment and each rank unlinks its own as soon as all have mapped it (nothing sta
 /dev/shm). CPU tensors are staged through those segments and run the same ring schedule as
 ``ringreduce.all_reduce``, so results are bitwise equal to it and identical on every rank.
 CUDA tensors are shared through CUDA IPC and synchronised with IPC events ordered by a
-host-side handshake (see csrc/dist/cuda_collectives.h); several ranks may share one GPU.
+host-side handshake (see csrc/multiprocess/cuda_collectives.h); several ranks may share one GPU.
 
 Every wait on another rank is bounded by the group's ``timeout``: a rank that died, failed or
 never joined makes the others raise a ``RuntimeError`` naming the collective, the peer and the

@@ -1,6 +1,6 @@
 // Binding of the multi-process executors (module ringreduce._dist_C): validates tensors,
 // naming the argument and the rule, before anything is touched, then hands raw pointers to the
-// torch-free executors. The only file of csrc/dist that includes torch.
+// torch-free executors. The only file of csrc/multiprocess that includes torch.
 #include <torch/extension.h>
 
 #include <memory>
@@ -78,6 +78,16 @@ bool overlaps(const at::Tensor& a, const at::Tensor& b) {
 // taken, and nothing under mu_ touches a Python object, so a thread waiting for mu_ never holds
 // the GIL. abort() takes neither: it marks the group failed, which stops a collective waiting
 // in another thread within ~50 ms.
+
+// Releases the GIL, then takes the comm mutex; on destruction unlocks, then re-takes the GIL
+// (members are destroyed in reverse order). A thread holding the mutex therefore never waits
+// for the GIL, so another Python thread can always reach abort().
+struct GilFreeLock {
+  explicit GilFreeLock(std::mutex& m) : lock(m) {}
+  pybind11::gil_scoped_release no_gil;
+  std::lock_guard<std::mutex> lock;
+};
+
 class Comm {
  public:
   Comm(int rank, int nranks, int64_t capacity, double timeout_s, const std::string& tag)
@@ -89,23 +99,19 @@ class Comm {
   bool closed() const { return g_.closed(); }
 
   void attach(const std::vector<std::string>& names) {
-    pybind11::gil_scoped_release no_gil;
-    std::lock_guard<std::mutex> lock(mu_);
+    const GilFreeLock held(mu_);
     g_.attach(names);
   }
   void unlink() {
-    pybind11::gil_scoped_release no_gil;
-    std::lock_guard<std::mutex> lock(mu_);
+    const GilFreeLock held(mu_);
     g_.unlink();
   }
   void set_timeout(double seconds) {
-    pybind11::gil_scoped_release no_gil;
-    std::lock_guard<std::mutex> lock(mu_);
+    const GilFreeLock held(mu_);
     g_.set_timeout(seconds);
   }
   void close() {
-    pybind11::gil_scoped_release no_gil;
-    std::lock_guard<std::mutex> lock(mu_);
+    const GilFreeLock held(mu_);
 #ifdef RINGREDUCE_WITH_CUDA
     if (peers_) {
       c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(rr::dist::cuda::device_of(*peers_)));
@@ -124,8 +130,7 @@ class Comm {
     check_dense(t, fn, "tensor");
     const rr::DType dtype = to_dtype(t, fn, "tensor");
     const rr::Op op = to_op(op_name, dtype, fn);
-    pybind11::gil_scoped_release no_gil;
-    std::lock_guard<std::mutex> lock(mu_);
+    const GilFreeLock held(mu_);
     if (t.is_cuda()) {
 #ifdef RINGREDUCE_WITH_CUDA
       c10::cuda::CUDAGuard guard(t.device());
@@ -144,8 +149,7 @@ class Comm {
     check_dense(t, fn, "tensor");
     TORCH_CHECK_VALUE(root >= 0 && root < g_.nranks(), "ringreduce broadcast: root must be in "
                       "[0, ", g_.nranks(), "); got ", root);
-    pybind11::gil_scoped_release no_gil;
-    std::lock_guard<std::mutex> lock(mu_);
+    const GilFreeLock held(mu_);
     if (t.is_cuda()) {
 #ifdef RINGREDUCE_WITH_CUDA
       c10::cuda::CUDAGuard guard(t.device());
@@ -187,8 +191,7 @@ class Comm {
       clash = clash || (!own_slot && overlaps(outs[size_t(q)], input));
     }
     const at::Tensor in = clash ? input.clone(at::MemoryFormat::Contiguous) : input;
-    pybind11::gil_scoped_release no_gil;
-    std::lock_guard<std::mutex> lock(mu_);
+    const GilFreeLock held(mu_);
     if (in.is_cuda()) {
 #ifdef RINGREDUCE_WITH_CUDA
       c10::cuda::CUDAGuard guard(in.device());
@@ -224,8 +227,7 @@ class Comm {
                              static_cast<const char*>(in.data_ptr()) + g_.rank() * nbytes(out);
     const bool scratch = overlaps(out, in) && (in.is_cuda() || !own_segment);
     const at::Tensor dst = scratch ? at::empty_like(out) : out;
-    pybind11::gil_scoped_release no_gil;
-    std::lock_guard<std::mutex> lock(mu_);
+    const GilFreeLock held(mu_);
     if (in.is_cuda()) {
 #ifdef RINGREDUCE_WITH_CUDA
       c10::cuda::CUDAGuard guard(in.device());
@@ -244,8 +246,7 @@ class Comm {
   }
 
   void barrier() {
-    pybind11::gil_scoped_release no_gil;
-    std::lock_guard<std::mutex> lock(mu_);
+    const GilFreeLock held(mu_);
     rr::dist::cpu::barrier(g_);
   }
 

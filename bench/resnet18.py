@@ -21,16 +21,19 @@ after the first step close to the first method's. Exits 1 when anything is wrong
 
 import argparse
 import copy
-import datetime
-import json
 import os
-import platform
 import statistics
 import sys
 import time
+from pathlib import Path
 
-import torch
-import torch.nn.functional as F
+_HERE = str(Path(__file__).resolve().parent)
+if _HERE not in sys.path:
+    sys.path.insert(0, _HERE)
+
+import common  # noqa: E402  (bench/ is not a package; common.py sits beside this file)
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
 
 from ringreduce.dp import (DEFAULT_BUCKET_MB, METHODS, DataParallel, NcclUnavailable,
                            bucket_indices, make_all_reduce, parse_devices)
@@ -197,10 +200,10 @@ def bench_exchange(args, devices, methods):
             wrong = exchange_check(per_rank, reference, bound, done)
             done.append(per_rank[0])
             t = statistics.median(times)
-            algbw = nbytes / t / 1e9
+            algbw, busbw = common.bandwidths(nbytes, t, 2 * (n - 1) / n)
             rows.append({"method": method, "layout": layout, "calls": len(calls), "ranks": n,
                          "bytes": nbytes, "time_ms": t * 1e3, "algbw_GBps": algbw,
-                         "busbw_GBps": algbw * 2 * (n - 1) / n, "wrong": wrong,
+                         "busbw_GBps": busbw, "wrong": wrong,
                          "times_ms": [x * 1e3 for x in times]})
             print_row(rows[-1])
     return rows
@@ -268,18 +271,8 @@ def describe_devices(devices):
     if devices[0].type == "cuda":
         names = {str(d): torch.cuda.get_device_name(d) for d in dict.fromkeys(devices)}
         return ", ".join(f"{k} {v}" for k, v in names.items())
-    return f"cpu ({cpu_model()}, {os.cpu_count()} cores, {torch.get_num_threads()} torch threads)"
-
-
-def cpu_model():
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
+    return (f"cpu ({common.cpu_model()}, {os.cpu_count()} cores, "
+            f"{torch.get_num_threads()} torch threads)")
 
 
 def main(argv=None):
@@ -293,8 +286,7 @@ def main(argv=None):
         return 2
     import ringreduce
 
-    config = {"date": datetime.datetime.now().isoformat(timespec="seconds"),
-              "command": " ".join([os.path.basename(sys.executable)] + sys.argv),
+    config = {"date": common.now_iso(), "command": common.command_line(),
               "devices": [str(d) for d in devices], "device_names": describe_devices(devices),
               "torch": torch.__version__, "cuda": torch.version.cuda,
               "ringreduce": ringreduce.build_info(), **{k: v for k, v in vars(args).items()}}
@@ -325,9 +317,8 @@ def main(argv=None):
     wrong = sum(r["wrong"] for r in exchange + step_rows)
     print(f"# {'OK' if wrong == 0 else f'FAILED: {wrong} wrong elements'}")
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"config": config, "skipped": skipped, "exchange": exchange,
-                       "step": step_rows, "wrong": wrong}, f, indent=1)
+        common.write_json(args.json, {"config": config, "skipped": skipped, "exchange": exchange,
+                                      "step": step_rows, "wrong": wrong})
     return 0 if wrong == 0 else 1
 
 

@@ -24,25 +24,7 @@ using Clock = std::chrono::steady_clock;
 
 // Selects `device` for its scope and restores the previous device only if it changed it (the
 // binding already selects the tensor's device, so normally nothing changes).
-class DeviceGuard {
- public:
-  explicit DeviceGuard(int device) {
-    RR_CUDA_CHECK(cudaGetDevice(&prev_), "reading the current device");
-    if (prev_ != device) {
-      RR_CUDA_CHECK(cudaSetDevice(device), "selecting the rank's device");
-      changed_ = true;
-    }
-  }
-  ~DeviceGuard() {
-    if (changed_) cudaSetDevice(prev_);
-  }
-  DeviceGuard(const DeviceGuard&) = delete;
-  DeviceGuard& operator=(const DeviceGuard&) = delete;
-
- private:
-  int prev_ = 0;
-  bool changed_ = false;
-};
+using ::rr::cuda::DeviceGuard;
 
 // Opened peer allocations kept per peer. Torch's caching allocator reuses its allocations, so
 // a handful covers a training loop; beyond this the least recently used one is closed.

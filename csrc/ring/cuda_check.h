@@ -27,3 +27,35 @@ namespace cuda {
     cudaError_t rr_err_ = (call);                                           \
     if (rr_err_ != cudaSuccess) ::rr::cuda::fail(rr_err_, #call, (context)); \
   } while (0)
+
+namespace rr {
+namespace cuda {
+
+// Saves the caller's current device; set() switches only when needed; the destructor restores
+// the caller's device only if anything was switched (restoring an untouched device could
+// create a context on it).
+class DeviceGuard {
+ public:
+  DeviceGuard() {
+    RR_CUDA_CHECK(cudaGetDevice(&saved_), "saving the current device");
+    current_ = saved_;
+  }
+  explicit DeviceGuard(int device) : DeviceGuard() { set(device); }
+  ~DeviceGuard() {
+    if (current_ != saved_) cudaSetDevice(saved_);
+  }
+  void set(int device) {
+    if (device == current_) return;
+    RR_CUDA_CHECK(cudaSetDevice(device), "selecting cuda:" + std::to_string(device));
+    current_ = device;
+  }
+  DeviceGuard(const DeviceGuard&) = delete;
+  DeviceGuard& operator=(const DeviceGuard&) = delete;
+
+ private:
+  int saved_ = 0;
+  int current_ = 0;
+};
+
+}  // namespace cuda
+}  // namespace rr

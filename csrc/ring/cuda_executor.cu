@@ -111,21 +111,6 @@ int blocks_per_sm(const void* fn, int device) {
   return n;
 }
 
-// Restores the caller's current device however the executor exits.
-class DeviceGuard {
- public:
-  DeviceGuard() { RR_CUDA_CHECK(cudaGetDevice(&saved_), "saving the current device"); }
-  ~DeviceGuard() { cudaSetDevice(saved_); }
-  void set(int device) {
-    RR_CUDA_CHECK(cudaSetDevice(device), "selecting cuda:" + std::to_string(device));
-  }
-  DeviceGuard(const DeviceGuard&) = delete;
-  DeviceGuard& operator=(const DeviceGuard&) = delete;
-
- private:
-  int saved_ = 0;
-};
-
 // Per-device resources kept across calls: events for cross-device ordering (reused: a wait
 // refers to the record queued most recently before it, and every record of a call is queued
 // on the host before the waits that need it), and the staging buffer for pairs without peer

@@ -22,19 +22,31 @@ Every wait on another rank is bounded by the group's ``timeout``: a rank that di
 never joined makes the others raise a ``RuntimeError`` naming the collective, the peer and the
 step. A failed group cannot be used again (like NCCL after an error); destroy it.
 
-Collectives on CPU tensors have finished when the call returns (the returned work is already
-complete). Collectives on CUDA tensors are queued on the current stream, like NCCL's.
+Execution model (ProcessGroupNCCL's): every collective is validated in the calling thread
+(bad arguments raise there, before anything is touched), then queued; one progress thread per
+group runs the queue in issue order, and the call returns its ``Work`` at once. On CPU,
+``Work.wait()`` blocks until the collective is done. On CUDA the collective runs on an internal
+stream per group and device, ordered after the caller's current stream by an event recorded at
+issue time, and ``Work.wait()`` makes the caller's current stream wait for the collective's end
+event: the host waits only until the progress thread has queued the GPU work. ``async_op=False``
+is ``wait()`` right away, as torch does for every backend. ``RINGREDUCE_ASYNC=0`` runs every
+collective inline in the calling thread (on CUDA, on the caller's stream): the behaviour before
+the engine, kept for comparison and debugging.
 
 Torch (2.13 and earlier) cannot bind a backend written in Python to a single device of a
 group, so with ``"cpu:gloo,cuda:ringreduce"`` the ringreduce group also serves CPU tensors
 (through shared memory); gloo is not used.
 
 Knobs (environment): ``RINGREDUCE_SHM_BYTES``, the shared-memory staging area per rank for CPU
-tensors (default 4 MiB; larger tensors go in rounds).
+tensors (default 4 MiB; larger tensors go in rounds); ``RINGREDUCE_ASYNC`` (default 1).
 """
+import collections
 import datetime
 import os
+import queue
 import secrets
+import threading
+import time
 
 import torch
 import torch.distributed as dist
@@ -47,14 +59,15 @@ SUPPORTED_COLLECTIVES = (
     "all_gather_coalesced", "reduce_scatter", "reduce_scatter_tensor", "reduce", "barrier",
 )
 
-__all__ = ["register_backend", "RingReduceProcessGroup", "BACKEND_NAME",
+__all__ = ["register_backend", "RingReduceProcessGroup", "RingReduceWork", "BACKEND_NAME",
            "SUPPORTED_COLLECTIVES"]
 
 if dist.is_available():
     from torch._C._distributed_c10d import ProcessGroup as _ProcessGroup
-    from torch._C._distributed_c10d import _create_work_from_future
+    from torch._C._distributed_c10d import Work as _Work
 else:  # pragma: no cover - torch built without distributed
     _ProcessGroup = object
+    _Work = object
 
 
 def register_backend():
@@ -88,6 +101,15 @@ def _shm_bytes():
     return (value + 4095) // 4096 * 4096
 
 
+def _async_enabled():
+    raw = os.environ.get("RINGREDUCE_ASYNC", "1").strip().lower()
+    if raw in ("", "1", "true", "yes", "on"):
+        return True
+    if raw in ("0", "false", "no", "off"):
+        return False
+    raise ValueError(f"RINGREDUCE_ASYNC must be 0 or 1; got {raw!r}")
+
+
 def _seconds(timeout):
     if isinstance(timeout, datetime.timedelta):
         return timeout.total_seconds()
@@ -102,6 +124,196 @@ def _unsupported(name):
             "backend, e.g. dist.new_group(backend='gloo')")
     method.__name__ = name
     return method
+
+
+class RingReduceWork(_Work):
+    """The handle of one queued collective (what ``async_op=True`` returns).
+
+    Completed by the group's progress thread. ``wait()`` raises the collective's error, if any;
+    on CUDA it then makes the caller's current stream wait for the collective's end event.
+    """
+
+    def __init__(self, name, outputs, device):
+        super().__init__()
+        self._name = name
+        self._outputs = outputs
+        self._device = device
+        self._done = threading.Event()
+        self._error = None
+        self._end = None
+        self._source = -1
+        self._fut = torch.futures.Future(devices=[device] if device is not None else None)
+
+    def __repr__(self):
+        state = "failed" if self._error is not None else (
+            "completed" if self._done.is_set() else "pending")
+        return f"RingReduceWork({self._name}, {state})"
+
+    def _finish(self, value, error=None, end=None):
+        """Called once, by the progress thread (on CUDA inside the internal stream's context,
+        so the future's own events are recorded on that stream)."""
+        self._error = error
+        self._end = end
+        if error is not None:
+            self._fut.set_exception(error)
+        else:
+            self._fut.set_result(value)
+        self._done.set()
+
+    def is_completed(self):
+        return self._done.is_set()
+
+    def is_success(self):
+        return self._done.is_set() and self._error is None
+
+    def exception(self):
+        return self._error
+
+    def wait(self, timeout=None):
+        seconds = _seconds(timeout) if timeout is not None else 0.0
+        if seconds > 0:
+            if not self._done.wait(seconds):
+                raise RuntimeError(f"ringreduce: {self._name} did not complete within the "
+                                   f"{seconds:.1f} s given to Work.wait()")
+        else:
+            # Bounded: every collective is bounded by the group's timeout, and a failed group
+            # fails the queued ones at once.
+            self._done.wait()
+        if self._error is not None:
+            raise self._error
+        if self._end is not None:
+            torch.cuda.current_stream(self._device).wait_event(self._end)
+        return True
+
+    def synchronize(self):
+        self.wait()
+
+    def get_future(self):
+        return self._fut
+
+    def result(self):
+        self.wait()
+        return self._outputs
+
+    def source_rank(self):
+        return self._source
+
+    def _source_rank(self):
+        return self._source
+
+
+class _Job:
+    __slots__ = ("work", "run", "device", "ready", "stream")
+
+    def __init__(self, work, run, device, ready, stream):
+        self.work, self.run, self.device, self.ready, self.stream = work, run, device, ready, stream
+
+
+class _Engine:
+    """One progress thread per group: runs the group's collectives in issue order.
+
+    The C++ collectives release the GIL, so the thread runs beside the caller (DDP's backward,
+    say). Any error fails the whole group, as in NCCL: the peers then fail at once instead of
+    waiting for their timeout, and the collectives queued after it fail without running. On
+    CUDA the thread also watches the end events of the collectives it queued, and fails the
+    group when one has not completed within the group's timeout.
+    """
+
+    _STOP = object()
+
+    def __init__(self, pg):
+        self._pg = pg
+        self._queue = queue.SimpleQueue()
+        self._streams = {}
+        self._streams_lock = threading.Lock()
+        self._inflight = collections.deque()  # CUDA: (work, end event, deadline)
+        self._thread = threading.Thread(target=self._loop, daemon=True,
+                                        name=f"ringreduce-progress-rank{pg._rank}")
+        self._thread.start()
+
+    def stream(self, device):
+        with self._streams_lock:
+            s = self._streams.get(device.index)
+            if s is None:
+                s = torch.cuda.Stream(device=device)
+                self._streams[device.index] = s
+            return s
+
+    def used_cuda(self):
+        with self._streams_lock:
+            return bool(self._streams)
+
+    def submit(self, job):
+        self._queue.put(job)
+
+    def stop(self, deadline):
+        """Lets the queued collectives finish until `deadline` (monotonic seconds); after it,
+        fails the group so that the rest fail at once. Returns when the thread has ended."""
+        self._queue.put(self._STOP)
+        self._thread.join(max(0.0, deadline - time.monotonic()))
+        if self._thread.is_alive():
+            self._pg._fail("the process group was shut down with collectives still queued")
+            self._thread.join(5.0)
+
+    def _loop(self):
+        while True:
+            try:
+                job = self._queue.get(timeout=0.05 if self._inflight else None)
+            except queue.Empty:
+                self._watch()
+                continue
+            if job is self._STOP:
+                return
+            self._execute(job)
+            self._watch()
+
+    def _execute(self, job):
+        work = job.work
+        try:
+            if job.device is None:
+                job.run()
+                work._finish(work._outputs)
+                return
+            with torch.cuda.device(job.device), torch.cuda.stream(job.stream):
+                job.stream.wait_event(job.ready)
+                if work._name == "barrier":
+                    self.drain_gpu()
+                job.run()
+                end = torch.cuda.Event()
+                end.record(job.stream)
+                work._finish(work._outputs, end=end)
+            self._inflight.append((work, end, time.monotonic() + self._pg._timeout_s))
+        except BaseException as exc:  # noqa: B902 - every failure fails the group
+            self._pg._fail(f"ringreduce: {work._name} on rank {self._pg._rank} failed: {exc}")
+            work._finish(None, error=exc)
+
+    def drain_gpu(self):
+        """Host-waits (bounded) until the GPU work of every queued collective has finished."""
+        while self._inflight:
+            work, end, deadline = self._inflight[0]
+            while not end.query():
+                if time.monotonic() > deadline:
+                    self._gpu_timeout(work)
+                    return
+                time.sleep(0.0002)
+            self._inflight.popleft()
+
+    def _watch(self):
+        while self._inflight:
+            work, end, deadline = self._inflight[0]
+            if end.query():
+                self._inflight.popleft()
+            elif time.monotonic() > deadline:
+                self._gpu_timeout(work)
+                return
+            else:
+                return
+
+    def _gpu_timeout(self, work):
+        self._inflight.clear()
+        self._pg._fail(f"ringreduce: the GPU work of {work._name} on rank {self._pg._rank} did "
+                       f"not finish within the process group timeout ({self._pg._timeout_s:.1f} "
+                       "s); a peer's GPU work it waits for may never complete")
 
 
 class RingReduceProcessGroup(_ProcessGroup):
@@ -134,6 +346,11 @@ class RingReduceProcessGroup(_ProcessGroup):
             self._comm.close()
             raise
         self._comm.unlink()
+        self._group_name = None
+        self._group_desc = ""
+        self._async = _async_enabled()
+        self._engine = _Engine(self) if self._async else None
+        self._shut = False
 
     def _gather_keys(self, store, prefix, deadline, what):
         keys = [f"{prefix}/{r}" for r in range(self._world_size)]
@@ -157,29 +374,111 @@ class RingReduceProcessGroup(_ProcessGroup):
     def __repr__(self):
         return f"RingReduceProcessGroup(rank={self._rank}, world_size={self._world_size})"
 
+    # torch names every group (init_process_group, new_group, DeviceMesh) through these. The
+    # C++ ProcessGroup keeps the name in its per-device backends, which a ProcessGroup written
+    # in Python has none of, so without these the name is lost ("ProcessGroup name not set")
+    # and functional collectives, DeviceMesh, FSDP2 and DCP cannot find the group.
+    def _set_group_name(self, name):
+        self._group_name = name
+
+    def _set_group_desc(self, desc):
+        self._group_desc = desc
+
+    @property
+    def group_name(self):
+        if self._group_name is None:
+            raise RuntimeError("ringreduce: this process group has no name yet (torch names it "
+                               "in init_process_group/new_group)")
+        return self._group_name
+
+    @property
+    def group_desc(self):
+        return self._group_desc
+
     def shutdown(self):
+        """Lets queued collectives finish (each is bounded by the group's timeout; all together
+        at most one timeout more), then closes the group. Never hangs."""
+        if self._shut:
+            return
+        self._shut = True
+        if self._engine is not None:
+            self._engine.stop(time.monotonic() + self._timeout_s)
         self._comm.close()
 
     def abort(self):
         # Safe from another thread (a watchdog) while a collective waits: it marks the group
-        # failed, so the waiting call raises within ~50 ms; shutdown() then frees the group.
+        # failed, so the waiting call raises within ~50 ms and the queued ones fail at once;
+        # shutdown() then frees the group.
         self._comm.abort()
+
+    def _fail(self, message):
+        self._comm.fail(message)
 
     def set_timeout(self, timeout):
         self._timeout_s = _seconds(timeout)
         self._comm.set_timeout(self._timeout_s)
 
-    def _work(self, result, tensors):
-        devices = sorted({t.device for t in tensors if t.is_cuda}, key=lambda d: d.index)
-        fut = torch.futures.Future(devices=devices) if devices else torch.futures.Future()
-        fut.set_result(result)
-        return _create_work_from_future(fut)
+    def _submit(self, name, run, outputs, tensors, device=None):
+        """Queues run() (which performs the collective) and returns its Work. `outputs` is what
+        the Work's future holds; `tensors` are every tensor the collective reads or writes, and
+        their device (or `device`) says where it runs."""
+        cuda = [t for t in tensors if t.is_cuda]
+        if cuda:
+            device = cuda[0].device
+        if device is not None:
+            for t in cuda:
+                if t.device != device:
+                    raise ValueError(f"ringreduce {name}: tensors on {device} and {t.device}; "
+                                     "a rank drives one GPU")
+        work = RingReduceWork(name, outputs, device)
+        if not self._async:
+            try:
+                run()
+            except BaseException as exc:
+                work._finish(None, error=exc)
+                raise
+            work._finish(outputs)
+            return work
+        stream = ready = None
+        if device is not None:
+            if torch.cuda.is_current_stream_capturing():
+                msg = (f"ringreduce {name} on rank {self._rank}: cannot be captured in a CUDA "
+                       "graph (multi-process collectives synchronise on the host)")
+                self._fail(msg)
+                raise RuntimeError(msg)
+            stream = self._engine.stream(device)
+            ready = torch.cuda.Event()
+            ready.record(torch.cuda.current_stream(device))
+            # The internal stream uses these blocks until the collective ends: the caching
+            # allocator must not hand them out before, even if the caller drops the tensors.
+            for t in cuda:
+                t.record_stream(stream)
+        self._engine.submit(_Job(work, run, device, ready, stream))
+        return work
 
     def _one(self, tensors, name):
         if len(tensors) != 1:
             raise ValueError(f"ringreduce {name}: expected one tensor per process (one device per "
                              f"rank); got {len(tensors)}")
         return tensors[0]
+
+    def _check(self, name, tensors, op="", arg="tensor"):
+        """The collective's argument rules (dtype, op, device), applied in the caller's thread."""
+        for i, t in enumerate(tensors):
+            self._comm.check(t, op, name, arg if len(tensors) == 1 else f"{arg}[{i}]")
+
+    def _check_like(self, name, outputs, tensor):
+        """Every output matches the input in dtype, element count and device."""
+        for i, o in enumerate(outputs):
+            if o.dtype != tensor.dtype or o.numel() != tensor.numel() or o.device != tensor.device:
+                raise ValueError(f"ringreduce {name}: output[{i}] is {o.numel()} elements of "
+                                 f"{o.dtype} on {o.device}; the input is {tensor.numel()} of "
+                                 f"{tensor.dtype} on {tensor.device}")
+
+    def _check_root(self, name, root):
+        if not 0 <= root < self._world_size:
+            raise ValueError(f"ringreduce {name}: root must be in [0, {self._world_size}); "
+                             f"got {root}")
 
     @staticmethod
     def _op(reduce_op, name):
@@ -203,35 +502,50 @@ class RingReduceProcessGroup(_ProcessGroup):
             tensor.copy_(tmp)
 
     # ---- collectives ---------------------------------------------------------------------
+    # Each validates its arguments here, in the caller's thread, and queues the rest.
+
+    def _reduce_op(self, opts, name):
+        return self._op(opts.reduceOp if opts is not None else dist.ReduceOp.SUM, name)
 
     def allreduce(self, tensors, opts=None):
         tensor = self._one(tensors, "all_reduce")
-        op = self._op(opts.reduceOp if opts is not None else dist.ReduceOp.SUM, "all_reduce")
-        self._run_contiguous(tensor, lambda t: self._comm.all_reduce(t, op))
-        return self._work(tensors, tensors)
+        op = self._reduce_op(opts, "all_reduce")
+        self._check("all_reduce", tensors, op)
+        return self._submit("all_reduce", lambda: self._run_contiguous(
+            tensor, lambda t: self._comm.all_reduce(t, op)), tensors, tensors)
 
     def allreduce_coalesced(self, tensors, opts=None):
-        op = self._op(opts.reduceOp if opts is not None else dist.ReduceOp.SUM,
-                      "all_reduce_coalesced")
-        for tensor in tensors:
-            self._run_contiguous(tensor, lambda t: self._comm.all_reduce(t, op))
-        return self._work(tensors, tensors)
+        op = self._reduce_op(opts, "all_reduce_coalesced")
+        self._check("all_reduce_coalesced", tensors, op)
+
+        def run():
+            for tensor in tensors:
+                self._run_contiguous(tensor, lambda t: self._comm.all_reduce(t, op))
+
+        return self._submit("all_reduce_coalesced", run, tensors, tensors)
 
     def reduce(self, tensors, opts=None):
         tensor = self._one(tensors, "reduce")
-        op = self._op(opts.reduceOp if opts is not None else dist.ReduceOp.SUM, "reduce")
+        op = self._reduce_op(opts, "reduce")
         root = opts.rootRank if opts is not None else 0
-        if self._rank == root:
-            self._run_contiguous(tensor, lambda t: self._comm.all_reduce(t, op))
-        else:
-            self._comm.all_reduce(tensor.contiguous().clone(), op)
-        return self._work(tensors, tensors)
+        self._check("reduce", tensors, op)
+        self._check_root("reduce", root)
+
+        def run():
+            if self._rank == root:
+                self._run_contiguous(tensor, lambda t: self._comm.all_reduce(t, op))
+            else:
+                self._comm.all_reduce(tensor.contiguous().clone(), op)
+
+        return self._submit("reduce", run, tensors, tensors)
 
     def broadcast(self, tensors, opts=None):
         tensor = self._one(tensors, "broadcast")
         root = opts.rootRank if opts is not None else 0
-        self._run_contiguous(tensor, lambda t: self._comm.broadcast(t, root))
-        return self._work(tensors, tensors)
+        self._check("broadcast", tensors)
+        self._check_root("broadcast", root)
+        return self._submit("broadcast", lambda: self._run_contiguous(
+            tensor, lambda t: self._comm.broadcast(t, root)), tensors, tensors)
 
     def _all_gather_into(self, outputs, tensor):
         inp = tensor.contiguous()
@@ -244,19 +558,43 @@ class RingReduceProcessGroup(_ProcessGroup):
     def allgather(self, output_tensors, input_tensors, opts=None):
         tensor = self._one(input_tensors, "all_gather")
         outputs = self._one(output_tensors, "all_gather")
-        self._all_gather_into(outputs, tensor)
-        return self._work(output_tensors, [tensor])
+        self._check_list("all_gather", outputs, tensor)
+        return self._submit("all_gather", lambda: self._all_gather_into(outputs, tensor),
+                            output_tensors, [tensor, *outputs])
+
+    def _check_list(self, name, outputs, tensor):
+        self._check(name, [tensor], arg="input")
+        if len(outputs) != self._world_size:
+            raise ValueError(f"ringreduce {name}: the output list must hold one tensor per rank "
+                             f"({self._world_size}); got {len(outputs)}")
+        self._check(name, outputs, arg="output")
+        self._check_like(name, outputs, tensor)
 
     def allgather_coalesced(self, output_lists, input_tensors, opts=None):
+        if len(output_lists) != len(input_tensors):
+            raise ValueError("ringreduce all_gather_coalesced: one output list per input tensor "
+                             f"needed; got {len(output_lists)} lists for {len(input_tensors)}")
         for outputs, tensor in zip(output_lists, input_tensors):
-            self._all_gather_into(outputs, tensor)
-        return self._work(output_lists, list(input_tensors))
+            self._check_list("all_gather_coalesced", outputs, tensor)
+        def run():
+            for outputs, tensor in zip(output_lists, input_tensors):
+                self._all_gather_into(outputs, tensor)
 
-    def _gather_flat(self, output, tensor, name):
+        return self._submit("all_gather_coalesced", run, output_lists,
+                            [*input_tensors, *(o for outs in output_lists for o in outs)])
+
+    def _check_gather_flat(self, output, tensor, name):
+        self._check(name, [tensor], arg="input")
+        self._check(name, [output], arg="output")
+        if output.dtype != tensor.dtype or output.device != tensor.device:
+            raise ValueError(f"ringreduce {name}: the output is {output.dtype} on "
+                             f"{output.device}; the input is {tensor.dtype} on {tensor.device}")
         if output.numel() != tensor.numel() * self._world_size:
             raise ValueError(f"ringreduce {name}: the output must hold world size "
                              f"({self._world_size}) x input elements ({tensor.numel()}); "
                              f"got {output.numel()}")
+
+    def _gather_flat(self, output, tensor):
         n = tensor.numel()
 
         def run(out):
@@ -267,66 +605,93 @@ class RingReduceProcessGroup(_ProcessGroup):
         self._run_contiguous(output, run)
 
     def all_gather_single(self, output, tensor, opts=None):
-        self._gather_flat(output, tensor, "all_gather_into_tensor")
-        return self._work([output], [output])
+        self._check_gather_flat(output, tensor, "all_gather_into_tensor")
+        return self._submit("all_gather_into_tensor", lambda: self._gather_flat(output, tensor),
+                            [output], [output, tensor])
 
     def _allgather_base(self, output, tensor, opts=None):
         return self.all_gather_single(output, tensor, opts)
 
     def allgather_into_tensor_coalesced(self, outputs, tensors, opts=None):
         for output, tensor in zip(outputs, tensors):
-            self._gather_flat(output, tensor, "all_gather_into_tensor")
-        return self._work(outputs, outputs)
+            self._check_gather_flat(output, tensor, "all_gather_into_tensor")
+
+        def run():
+            for output, tensor in zip(outputs, tensors):
+                self._gather_flat(output, tensor)
+
+        return self._submit("all_gather_into_tensor_coalesced", run, outputs,
+                            [*outputs, *tensors])
 
     def all_gather_single_coalesced(self, outputs, tensors, opts=None):
         return self.allgather_into_tensor_coalesced(outputs, tensors, opts)
 
-    def _reduce_scatter_flat(self, output, flat_input, op, name):
+    def _check_reduce_scatter_flat(self, output, flat_input, op, name):
+        self._check(name, [flat_input], op, arg="input")
+        self._check(name, [output], arg="output")
+        if output.dtype != flat_input.dtype or output.device != flat_input.device:
+            raise ValueError(f"ringreduce {name}: the output is {output.dtype} on "
+                             f"{output.device}; the input is {flat_input.dtype} on "
+                             f"{flat_input.device}")
         if flat_input.numel() != output.numel() * self._world_size:
             raise ValueError(f"ringreduce {name}: the input must hold world size "
                              f"({self._world_size}) x output elements ({output.numel()}); "
                              f"got {flat_input.numel()}")
+
+    def _reduce_scatter_flat(self, output, flat_input, op):
         self._run_contiguous(
             output, lambda o: self._comm.reduce_scatter(o.view(-1), flat_input.contiguous(), op))
 
     def reduce_scatter(self, output_tensors, input_lists, opts=None):
         output = self._one(output_tensors, "reduce_scatter")
         inputs = self._one(input_lists, "reduce_scatter")
-        op = self._op(opts.reduceOp if opts is not None else dist.ReduceOp.SUM, "reduce_scatter")
+        op = self._reduce_op(opts, "reduce_scatter")
         if len(inputs) != self._world_size:
             raise ValueError(f"ringreduce reduce_scatter: the input list must hold one tensor "
                              f"per rank ({self._world_size}); got {len(inputs)}")
+        self._check("reduce_scatter", [output], op, arg="output")
+        self._check("reduce_scatter", inputs, op, arg="input")
         for i, t in enumerate(inputs):
-            if t.numel() != output.numel() or t.dtype != output.dtype:
+            if t.numel() != output.numel() or t.dtype != output.dtype or t.device != output.device:
                 raise ValueError(f"ringreduce reduce_scatter: input[{i}] has {t.numel()} "
-                                 f"elements of {t.dtype}; the output has {output.numel()} of "
-                                 f"{output.dtype}")
+                                 f"elements of {t.dtype} on {t.device}; the output has "
+                                 f"{output.numel()} of {output.dtype} on {output.device}")
         flat = torch.cat([t.reshape(-1) for t in inputs])
-        self._reduce_scatter_flat(output, flat, op, "reduce_scatter")
-        return self._work(output_tensors, output_tensors)
+        return self._submit("reduce_scatter", lambda: self._reduce_scatter_flat(
+            output, flat, op), output_tensors, [output, flat])
 
     def reduce_scatter_single(self, output, tensor, opts=None):
-        op = self._op(opts.reduceOp if opts is not None else dist.ReduceOp.SUM,
-                      "reduce_scatter_tensor")
-        self._reduce_scatter_flat(output, tensor.reshape(-1), op, "reduce_scatter_tensor")
-        return self._work([output], [output])
+        op = self._reduce_op(opts, "reduce_scatter_tensor")
+        flat = tensor.reshape(-1)
+        self._check_reduce_scatter_flat(output, flat, op, "reduce_scatter_tensor")
+        return self._submit("reduce_scatter_tensor", lambda: self._reduce_scatter_flat(
+            output, flat, op), [output], [output, tensor])
 
     def _reduce_scatter_base(self, output, tensor, opts=None):
         return self.reduce_scatter_single(output, tensor, opts)
 
     def reduce_scatter_tensor_coalesced(self, outputs, tensors, opts=None):
-        op = self._op(opts.reduceOp if opts is not None else dist.ReduceOp.SUM,
-                      "reduce_scatter_tensor")
-        for output, tensor in zip(outputs, tensors):
-            self._reduce_scatter_flat(output, tensor.reshape(-1), op, "reduce_scatter_tensor")
-        return self._work(outputs, outputs)
+        op = self._reduce_op(opts, "reduce_scatter_tensor")
+        flats = [t.reshape(-1) for t in tensors]
+        for output, flat in zip(outputs, flats):
+            self._check_reduce_scatter_flat(output, flat, op, "reduce_scatter_tensor")
+
+        def run():
+            for output, flat in zip(outputs, flats):
+                self._reduce_scatter_flat(output, flat, op)
+
+        return self._submit("reduce_scatter_tensor_coalesced", run, outputs,
+                            [*outputs, *tensors])
 
     def reduce_scatter_single_coalesced(self, outputs, tensors, opts=None):
         return self.reduce_scatter_tensor_coalesced(outputs, tensors, opts)
 
     def barrier(self, opts=None):
-        self._comm.barrier()
-        return self._work([], [])
+        # After every collective queued before it; on CUDA it also waits for their GPU work.
+        device = None
+        if self._engine is not None and self._engine.used_cuda():
+            device = torch.device("cuda", torch.cuda.current_device())
+        return self._submit("barrier", self._comm.barrier, [], [], device)
 
     send = _unsupported("send")
     recv = _unsupported("recv")

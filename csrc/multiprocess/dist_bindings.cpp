@@ -124,6 +124,25 @@ class Comm {
     g_.fail("ringreduce: the process group was aborted on rank " + std::to_string(g_.rank()) +
             " (ProcessGroup.abort)");
   }
+  // Marks the group failed with `message` (an error outside the executors, e.g. in the
+  // progress thread): peers waiting on this rank fail at once, naming it. Lock-free, like abort.
+  void fail(const std::string& message) { g_.fail(message); }
+
+  // The argument checks of a collective, without running it: the backend calls this in the
+  // caller's thread, so that a bad argument raises there (before anything is queued or
+  // touched) instead of failing the group from the progress thread. `op` empty: no reduction.
+  void check(const at::Tensor& t, const std::string& op_name, const std::string& fn,
+             const std::string& arg) const {
+    TORCH_CHECK_VALUE(t.defined(), "ringreduce ", fn, ": ", arg, " is undefined");
+    TORCH_CHECK_VALUE(t.layout() == at::kStrided, "ringreduce ", fn, ": ", arg, " has layout ",
+                      t.layout(), "; only dense (strided) tensors are supported");
+    TORCH_CHECK_VALUE(t.is_cpu() || t.is_cuda(), "ringreduce ", fn, ": ", arg, " is on ",
+                      t.device(), "; only cpu and cuda tensors are supported");
+#ifndef RINGREDUCE_WITH_CUDA
+    if (t.is_cuda()) no_cuda(fn.c_str());
+#endif
+    if (!op_name.empty()) to_op(op_name, to_dtype(t, fn.c_str(), arg.c_str()), fn.c_str());
+  }
 
   void all_reduce(const at::Tensor& t, const std::string& op_name) {
     const char* fn = "all_reduce";
@@ -345,6 +364,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("unlink", &Comm::unlink)
       .def("close", &Comm::close)
       .def("abort", &Comm::abort)
+      .def("fail", &Comm::fail, pybind11::arg("message"))
+      .def("check", &Comm::check, pybind11::arg("tensor"), pybind11::arg("op"),
+           pybind11::arg("fn"), pybind11::arg("arg"))
       .def("set_timeout", &Comm::set_timeout, pybind11::arg("seconds"))
       .def("all_reduce", &Comm::all_reduce, pybind11::arg("tensor"), pybind11::arg("op"))
       .def("broadcast", &Comm::broadcast, pybind11::arg("tensor"), pybind11::arg("root"))

@@ -270,6 +270,10 @@ class _Engine:
     def _execute(self, job):
         work = job.work
         try:
+            if self._pg._failure is not None:
+                raise RuntimeError(
+                    f"ringreduce: {work._name} on rank {self._pg._rank}: this process group "
+                    f"failed earlier and cannot be used any more: {self._pg._failure}")
             if job.device is None:
                 job.run()
                 work._finish(work._outputs)
@@ -346,6 +350,7 @@ class RingReduceProcessGroup(_ProcessGroup):
             self._comm.close()
             raise
         self._comm.unlink()
+        self._failure = None  # the first error the engine saw (the C++ group keeps its own)
         self._group_name = None
         self._group_desc = ""
         self._async = _async_enabled()
@@ -412,6 +417,8 @@ class RingReduceProcessGroup(_ProcessGroup):
         self._comm.abort()
 
     def _fail(self, message):
+        if self._failure is None:
+            self._failure = message
         self._comm.fail(message)
 
     def set_timeout(self, timeout):
@@ -435,6 +442,7 @@ class RingReduceProcessGroup(_ProcessGroup):
             try:
                 run()
             except BaseException as exc:
+                self._fail(f"ringreduce: {name} on rank {self._rank} failed: {exc}")
                 work._finish(None, error=exc)
                 raise
             work._finish(outputs)

@@ -1,0 +1,366 @@
+"""The backend's asynchronous engine: one progress thread per group, Work objects, overlap with
+DDP's backward, faults in and around the engine, and a soak (CPU, spawned ranks)."""
+import datetime
+import os
+import signal
+import threading
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from test_distributed import FAULT_TIMEOUT, _shm_names, init, run_ranks, values
+
+
+def _delayed_peer(rank, world, store):
+    init(rank, world, store)
+    dist.barrier()
+    t = torch.arange(1000, dtype=torch.float64) * (rank + 1)
+    if rank == 1:
+        time.sleep(1.0)
+    start = time.monotonic()
+    work = dist.all_reduce(t, async_op=True)
+    issued = time.monotonic() - start
+    pending = not work.is_completed()
+    # Issue order: a broadcast and an all_gather queued behind the pending all_reduce.
+    b = torch.full((5,), float(rank + 7))
+    w2 = dist.broadcast(b, src=1, async_op=True)
+    outs = [torch.full((3,), -1.0) for _ in range(world)]
+    w3 = dist.all_gather(outs, torch.full((3,), float(rank)), async_op=True)
+    w3.wait()
+    done = [work.is_completed(), w2.is_completed(), w3.is_completed()]
+    ok = torch.equal(t, torch.arange(1000, dtype=torch.float64) * 3)
+    fut_value = work.get_future().wait()
+    same_tensor = fut_value[0] is t
+    work.wait()  # again: no error, no change
+    result = (issued, pending, done, ok, torch.equal(b, torch.full((5,), 8.0)),
+              [float(o[0]) for o in outs], same_tensor, work.is_success())
+    dist.destroy_process_group()
+    return result
+
+
+def test_work_pending_while_peer_delayed_then_correct(tmp_path):
+    for rank, (issued, pending, done, ok, bcast, gathered, same, success) in enumerate(
+            values(run_ranks(_delayed_peer, 2, tmp_path))):
+        assert issued < 0.5, f"rank {rank}: the call took {issued:.2f} s to return"
+        if rank == 0:
+            assert pending, "the Work was complete right after the call while rank 1 slept"
+        assert done == [True, True, True], "collectives finished out of issue order"
+        assert ok and bcast and gathered == [0.0, 1.0]
+        assert same and success
+
+
+def _sync_mode(rank, world, store):
+    init(rank, world, store)
+    dist.barrier()
+    t = torch.ones(10)
+    if rank == 1:
+        time.sleep(1.0)
+    start = time.monotonic()
+    work = dist.all_reduce(t, async_op=True)
+    issued = time.monotonic() - start
+    completed = work.is_completed()
+    dist.destroy_process_group()
+    return issued, completed, float(t[0])
+
+
+def test_sync_mode_runs_inline(tmp_path):
+    """RINGREDUCE_ASYNC=0 keeps the old behaviour: done when the call returns."""
+    issued, completed, value = values(run_ranks(_sync_mode, 2, tmp_path,
+                                                env={"RINGREDUCE_ASYNC": "0"}))[0]
+    assert completed and value == 2.0
+    assert issued > 0.5, "rank 0 did not wait for rank 1 inside the call"
+
+
+class _SlowBackward(torch.autograd.Function):
+    """Identity whose backward sleeps: the first layer of the model, so its backward is the
+    last thing backward does."""
+
+    @staticmethod
+    def forward(ctx, x, seconds, log):
+        ctx.seconds, ctx.log = seconds, log
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        time.sleep(ctx.seconds)
+        ctx.log["backward_end"] = time.monotonic()
+        return grad, None, None
+
+
+def _ddp_overlap(rank, world, store):
+    from ringreduce.distributed import RingReduceProcessGroup
+
+    init(rank, world, store)
+    log = {"inside": [], "done": []}
+    original = RingReduceProcessGroup.allreduce
+
+    def timed(self, *args):
+        start = time.monotonic()
+        work = original(self, *args)
+        log["inside"].append(time.monotonic() - start)
+        work.get_future().then(lambda _: log["done"].append(time.monotonic()))
+        return work
+
+    RingReduceProcessGroup.allreduce = timed
+    torch.manual_seed(0)
+    body = torch.nn.Sequential(*[torch.nn.Linear(64, 64) for _ in range(6)])
+    ddp = torch.nn.parallel.DistributedDataParallel(body, bucket_cap_mb=0.01)
+    x = torch.randn(16, 64, generator=torch.Generator().manual_seed(rank))
+    results = []
+    for step in range(3):
+        log["inside"].clear()
+        log["done"].clear()
+        dist.barrier()
+        # (After the forward: DDP's forward may itself communicate, e.g. when it rebuilds
+        # its buckets after the first step.)
+        out = ddp(_SlowBackward.apply(x.requires_grad_(), 0.6 if rank == 0 else 0.0, log))
+        if rank == 1:
+            time.sleep(0.3)  # rank 0's all-reduces wait for this rank
+        out.square().sum().backward()
+        results.append((sum(log["inside"]), len(log["done"]),
+                        sum(d < log["backward_end"] for d in log["done"])))
+    grads = [p.grad.clone() for p in body.parameters()]
+    everyone = [None] * world
+    dist.all_gather_object(everyone, [g.double().sum().item() for g in grads])
+    RingReduceProcessGroup.allreduce = original
+    dist.destroy_process_group()
+    return results, everyone
+
+
+@pytest.mark.parametrize("mode", ["async", "sync"])
+def test_ddp_overlaps_allreduce_with_backward(tmp_path, mode):
+    """Rank 0's all-reduces of the late layers' buckets wait 0.3 s for rank 1. With the engine
+    they run while rank 0's backward goes on (0.6 s more of it): the calls return at once and
+    the all-reduces finish before backward does. Run inline (RINGREDUCE_ASYNC=0), the backward
+    thread itself waits those 0.3 s."""
+    env = {"RINGREDUCE_ASYNC": "0" if mode == "sync" else "1"}
+    (results, everyone), (_, everyone1) = values(run_ranks(_ddp_overlap, 2, tmp_path, env=env))
+    assert everyone == everyone1 and everyone[0] == everyone[1], "replicas' gradients differ"
+    inside, ndone, before_end = results[-1]
+    assert ndone >= 3, f"only {ndone} all-reduces (buckets) seen"
+    if mode == "async":
+        assert inside < 0.15, f"backward spent {inside:.2f} s inside allreduce() calls"
+        assert before_end >= ndone - 1, (
+            f"only {before_end} of {ndone} all-reduces finished before backward ended")
+    else:
+        assert inside > 0.25, f"inline mode spent only {inside:.2f} s inside allreduce()"
+
+
+class _FailingComm:
+    """Wraps the C++ Comm; all_reduce raises as a failure inside the engine would."""
+
+    def __init__(self, comm):
+        self._comm = comm
+
+    def all_reduce(self, tensor, op):
+        raise RuntimeError("injected failure in the progress thread")
+
+    def __getattr__(self, name):
+        return getattr(self._comm, name)
+
+
+def _engine_error(rank, world, store):
+    init(rank, world, store, timeout=60.0)
+    pg = dist.group.WORLD
+    dist.all_reduce(torch.ones(4))
+    if rank == 0:
+        pg._comm = _FailingComm(pg._comm)
+    start = time.monotonic()
+    errors = []
+    works = [dist.all_reduce(torch.ones(4), async_op=True) for _ in range(3)]
+    for w in works:
+        try:
+            w.wait()
+            errors.append(None)
+        except RuntimeError as exc:
+            errors.append(str(exc))
+    elapsed = time.monotonic() - start
+    try:
+        dist.broadcast(torch.ones(2), src=0)
+        errors.append(None)
+    except RuntimeError as exc:
+        errors.append(str(exc))
+    shut = time.monotonic()
+    dist.destroy_process_group()
+    return errors, elapsed, time.monotonic() - shut
+
+
+def test_error_in_engine_fails_the_group_and_peers_fast(tmp_path):
+    (e0, t0, s0), (e1, t1, s1) = values(run_ranks(_engine_error, 2, tmp_path))
+    assert "injected failure" in e0[0], e0
+    assert all(e and "failed earlier" in e for e in e0[1:]), e0
+    assert e1[0] and "rank 0" in e1[0] and "injected failure" in e1[0], e1
+    assert all(e and "failed earlier" in e for e in e1[1:]), e1
+    assert t0 < 5.0 and t1 < 5.0, f"took {t0:.1f} / {t1:.1f} s with a 60 s timeout"
+    assert s0 < 5.0 and s1 < 5.0
+
+
+def _bad_arguments(rank, world, store):
+    init(rank, world, store)
+    errors = []
+    t = torch.ones(4, dtype=torch.int16)
+    for call in (lambda: dist.all_reduce(t),
+                 lambda: dist.broadcast(torch.ones(2), src=world + 3),
+                 lambda: dist.all_gather([torch.ones(2)] * world, torch.ones(3))):
+        try:
+            call()
+            errors.append(None)
+        except (ValueError, TypeError, RuntimeError) as exc:
+            errors.append(f"{type(exc).__name__}: {exc}")
+    x = torch.ones(3)
+    dist.all_reduce(x)  # the group still works: nothing was queued
+    dist.destroy_process_group()
+    return errors, float(x[0])
+
+
+def test_bad_arguments_raise_in_the_caller_and_leave_the_group_usable(tmp_path):
+    for errors, value in values(run_ranks(_bad_arguments, 2, tmp_path)):
+        assert errors[0].startswith("TypeError") and "dtype" in errors[0], errors[0]
+        assert "root" in errors[1] or "rank" in errors[1], errors[1]
+        assert "output" in errors[2], errors[2]
+        assert value == 2.0
+
+
+def _abort_queued(rank, world, store):
+    init(rank, world, store, timeout=60.0)
+    pg = dist.group.WORLD
+    dist.barrier()
+    if rank == 1:
+        time.sleep(4.0)  # never joins the queued collectives in time
+        try:
+            dist.all_reduce(torch.ones(2))
+            return ("no error", 0.0, 0.0)
+        except RuntimeError as exc:
+            return (str(exc), 0.0, 0.0)
+    works = [dist.all_reduce(torch.ones(8), async_op=True) for _ in range(5)]
+    time.sleep(0.3)
+    start = time.monotonic()
+    pg.abort()
+    messages = []
+    for w in works:
+        try:
+            w.wait()
+            messages.append(None)
+        except RuntimeError as exc:
+            messages.append(str(exc))
+    waited = time.monotonic() - start
+    start = time.monotonic()
+    dist.destroy_process_group()
+    return (messages, waited, time.monotonic() - start)
+
+
+def test_abort_fails_queued_work_and_shutdown_returns(tmp_path):
+    (messages, waited, shut), (peer_msg, _, _) = values(run_ranks(_abort_queued, 2, tmp_path))
+    assert all(m and "abort" in m for m in messages), messages
+    assert waited < 2.0 and shut < 2.0, f"abort took {waited:.1f} s, shutdown {shut:.1f} s"
+    assert "rank 0" in peer_msg, peer_msg
+
+
+def _killed_during_async(rank, world, store):
+    init(rank, world, store, timeout=FAULT_TIMEOUT)
+    dist.barrier()
+    if rank == world - 1:
+        time.sleep(0.5)
+        os.kill(os.getpid(), signal.SIGKILL)
+    works = [dist.all_reduce(torch.ones(100), async_op=True) for _ in range(3)]
+    start = time.monotonic()
+    out = []
+    for w in works:
+        try:
+            w.wait()
+            out.append(None)
+        except RuntimeError as exc:
+            out.append(str(exc))
+    return out, time.monotonic() - start
+
+
+def test_dead_peer_fails_every_queued_work_on_every_survivor(tmp_path):
+    world = 3
+    before = _shm_names()
+    results = run_ranks(_killed_during_async, world, tmp_path)
+    assert results[world - 1][0] == "died"
+    for rank in range(world - 1):
+        status, (messages, elapsed) = results[rank]
+        assert status == "ok"
+        assert messages[0] and "all_reduce" in messages[0] and f"rank {world - 1}" in messages[0]
+        assert "exited" in messages[0] or f"rank {world - 1}" in messages[0], messages[0]
+        assert all(m for m in messages[1:]), messages
+        assert elapsed < 2.0, f"rank {rank} noticed the dead peer after {elapsed:.1f} s"
+    assert _shm_names() <= before
+
+
+def _fds():
+    return len(os.listdir("/proc/self/fd"))
+
+
+def _rss_kib():
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1])
+    return 0
+
+
+def _soak(rank, world, store, total):
+    init(rank, world, store)
+    t = torch.ones(64)
+    threads0 = threading.active_count()
+    samples = []
+    done = 0
+    while done < total:
+        if done % (total // 4) == 0:
+            samples.append((done, _rss_kib(), _fds()))
+        # Batches of async all-reduces then a wait, and sync calls of other kinds.
+        works = [dist.all_reduce(t, async_op=True) for _ in range(8)]
+        for w in works:
+            w.wait()
+        dist.broadcast(t, src=done % world)
+        done += 9
+    t.fill_(1.0)
+    dist.all_reduce(t)
+    samples.append((done, _rss_kib(), _fds()))
+    threads = threading.active_count()
+    dist.destroy_process_group()
+    return samples, threads0, threads, float(t[0])
+
+
+def test_soak_flat_memory_and_descriptors(tmp_path):
+    """10^4 collectives: resident memory and open file descriptors stay flat."""
+    total = 10_000
+    for samples, threads0, threads, value in values(run_ranks(_soak, 2, tmp_path, total)):
+        assert value == 2.0
+        assert threads == threads0, "the engine leaked threads"
+        (_, rss_first, fds_first), (_, rss_last, fds_last) = samples[1], samples[-1]
+        assert fds_last == fds_first, f"open fds grew: {samples}"
+        assert rss_last - rss_first < 16 * 1024, f"memory grew: {samples}"
+
+
+def _groups(rank, world, store):
+    init(rank, world, store)
+    names = [dist.group.WORLD.group_name]
+    sub = dist.new_group(ranks=list(range(world)), backend="ringreduce", group_desc="mine")
+    names.append(sub.group_name)
+    desc = sub.group_desc
+    import torch.distributed._functional_collectives as fc
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (world,))
+    x = fc.all_reduce(torch.full((4,), float(rank + 1)), "sum", mesh)
+    y = fc.all_reduce(torch.full((2,), float(rank)), "max", sub)
+    value = (x.wait() if hasattr(x, "wait") else x).tolist()
+    value2 = (y.wait() if hasattr(y, "wait") else y).tolist()
+    mesh_pg = mesh.get_group()
+    dist.destroy_process_group()
+    return names, desc, value, value2, type(mesh_pg).__name__
+
+
+def test_group_names_device_mesh_and_functional_collectives(tmp_path):
+    out = values(run_ranks(_groups, 2, tmp_path))
+    for names, desc, value, value2, mesh_type in out:
+        assert all(isinstance(n, str) and n for n in names) and names[0] != names[1], names
+        assert desc == "mine"
+        assert value == [3.0] * 4 and value2 == [1.0, 1.0]
+        assert mesh_type == "RingReduceProcessGroup"
+    assert out[0][0] == out[1][0], "ranks disagree on group names"

@@ -2,9 +2,17 @@
 where it can run): an all-reduce sweep with nccl-tests columns, then the step time of
 ResNet-18 trained with DistributedDataParallel.
 
-    python bench/ddp.py                      # CPU: 2 ranks, ringreduce vs gloo
+    python bench/ddp.py                      # CPU: 2 ranks, ringreduce (async and inline) vs gloo
     python bench/ddp.py --device cuda --ranks 4 --backends ringreduce,nccl,gloo
     python bench/ddp.py --skip-ddp --max-bytes 16M --json sweep.json
+
+`ringreduce-sync` is the ringreduce backend with RINGREDUCE_ASYNC=0: every collective runs
+inline in the calling thread, as before the asynchronous engine (the "before" of that change).
+
+The DDP part also times the same step under `no_sync()` (compute only, no communication) and
+the all-reduce of the model's gradients alone (in DDP's 25 MB buckets, one after the other),
+and reports the share of that communication hidden behind backward:
+hidden = (compute + comm - step) / comm, clipped to [0, 1].
 
 Every backend gets its own set of --ranks processes on this host (one rank each; on CUDA rank r
 uses GPU r mod the GPU count, so several ranks share a GPU where there are fewer GPUs).
@@ -30,6 +38,10 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import common  # noqa: E402
 
 DTYPES = ("float32", "float64", "bfloat16", "float16")
+# Label -> (torch.distributed backend, environment of its ranks).
+BACKENDS = {"ringreduce": ("ringreduce", {}),
+            "ringreduce-sync": ("ringreduce", {"RINGREDUCE_ASYNC": "0"}),
+            "gloo": ("gloo", {}), "nccl": ("nccl", {})}
 
 
 def parse_args(argv):
@@ -39,8 +51,9 @@ def parse_args(argv):
                    help="tensor device (default: cuda if available, else cpu)")
     p.add_argument("--ranks", type=int, default=2, help="processes per backend (default 2)")
     p.add_argument("--backends", default=None,
-                   help="comma-separated (default: ringreduce,gloo on cpu; "
-                        "ringreduce,nccl,gloo on cuda)")
+                   help="comma-separated, of ringreduce, ringreduce-sync, gloo, nccl (default: "
+                        "ringreduce,ringreduce-sync,gloo on cpu; ringreduce,ringreduce-sync,"
+                        "nccl,gloo on cuda)")
     p.add_argument("--min-bytes", type=common.parse_size, default=8)
     p.add_argument("--max-bytes", type=common.parse_size, default=None,
                    help="largest message (default 64M on cpu, 256M on cuda)")
@@ -67,8 +80,12 @@ def parse_args(argv):
     if args.max_bytes is None:
         args.max_bytes = 64 * common.MiB if args.device == "cpu" else 256 * common.MiB
     if args.backends is None:
-        args.backends = "ringreduce,gloo" if args.device == "cpu" else "ringreduce,nccl,gloo"
+        args.backends = ("ringreduce,ringreduce-sync,gloo" if args.device == "cpu"
+                         else "ringreduce,ringreduce-sync,nccl,gloo")
     args.backends = [b.strip() for b in args.backends.split(",") if b.strip()]
+    for b in args.backends:
+        if b not in BACKENDS:
+            p.error(f"--backends: unknown backend {b!r} (known: {', '.join(BACKENDS)})")
     return args
 
 
@@ -81,7 +98,9 @@ def iterations(size, args):
 # ---------------------------------------------------------------------------------------------
 # One rank.
 
-def _rank_main(rank, world, backend, store, args, queue):
+def _rank_main(rank, world, label, store, args, queue):
+    backend, env = BACKENDS[label]
+    os.environ.update(env)
     try:
         queue.put((rank, "ok", _rank_body(rank, world, backend, store, args)))
     except BaseException:
@@ -165,21 +184,48 @@ def _rank_body(rank, world, backend, store, args):
         g = torch.Generator().manual_seed(100 + rank)
         x = torch.randn(args.batch, 3, args.image_size, args.image_size, generator=g).to(device)
         y = torch.randint(0, 10, (args.batch,), generator=g).to(device)
-        times = []
-        for i in range(args.ddp_warmup + args.steps):
-            sync()
-            t0 = time.perf_counter()
+
+        def ddp_step():
             opt.zero_grad(set_to_none=True)
             torch.nn.functional.cross_entropy(ddp(x), y).backward()
             opt.step()
-            sync()
-            if i >= args.ddp_warmup:
-                times.append(time.perf_counter() - t0)
-        step = statistics.median(slowest(times))
+
+        def compute_step():
+            # The same step without communication (gradients stay local).
+            with ddp.no_sync():
+                ddp_step()
+
+        # The gradients' all-reduce alone, in DDP's bucket size (25 MB), one after the other.
+        nparams = sum(p.numel() for p in model.parameters())
+        per_bucket = 25 * 1024 * 1024 // 4
+        buckets = [torch.ones(min(per_bucket, nparams - i), device=device)
+                   for i in range(0, nparams, per_bucket)]
+
+        def comm_step():
+            for b in buckets:
+                dist.all_reduce(b)
+
+        def median_time(fn):
+            times = []
+            for i in range(args.ddp_warmup + args.steps):
+                dist.barrier()
+                sync()
+                t0 = time.perf_counter()
+                fn()
+                sync()
+                if i >= args.ddp_warmup:
+                    times.append(time.perf_counter() - t0)
+            return statistics.median(slowest(times))
+
+        step = median_time(ddp_step)
+        # Replicas are compared now: the no_sync() steps below let them drift apart.
         checks = [None] * world
         dist.all_gather_object(checks, [float(p.detach().double().sum()) for p in model.parameters()])
-        nparams = sum(p.numel() for p in model.parameters())
+        compute = median_time(compute_step)
+        comm = median_time(comm_step)
+        hidden = min(1.0, max(0.0, (compute + comm - step) / comm)) if comm > 0 else 0.0
         out["ddp"] = {"step_ms": step * 1e3, "images_per_s": world * args.batch / step,
+                      "compute_ms": compute * 1e3, "comm_ms": comm * 1e3, "hidden": hidden,
                       "params": nparams, "replicas_agree": all(c == checks[0] for c in checks)}
     if backend == "ringreduce":
         dist.destroy_process_group()
@@ -207,10 +253,10 @@ def nccl_unavailable(args):
     return None
 
 
-def run_backend(backend, args):
+def run_backend(label, args):
     """Runs one backend's ranks; returns (rank 0's results, None) or (None, why not)."""
     import torch.multiprocessing as mp
-    if backend == "nccl":
+    if label == "nccl":
         why = nccl_unavailable(args)
         if why:
             return None, why
@@ -219,7 +265,7 @@ def run_backend(backend, args):
     queue = ctx.Queue()
     with tempfile.TemporaryDirectory() as tmp:
         store = os.path.join(tmp, "store")
-        procs = [ctx.Process(target=_rank_main, args=(r, args.ranks, backend, store, args, queue))
+        procs = [ctx.Process(target=_rank_main, args=(r, args.ranks, label, store, args, queue))
                  for r in range(args.ranks)]
         for p in procs:
             p.start()
@@ -292,17 +338,21 @@ def main(argv=None):
         print()
         print(f"# ResNet-18 ({args.image_size}x{args.image_size}x3, 10 classes) DDP training "
               f"step, batch {args.batch} per rank, median of {args.steps} steps")
-        print(f"# {'backend':>12} {'step (ms)':>10} {'images/s':>10} {'vs gloo':>8}  replicas")
+        print("# compute: the same step under no_sync(); comm: the gradients' all-reduce alone; "
+              "hidden: share of comm overlapped with backward")
+        print(f"# {'backend':>15} {'step (ms)':>10} {'images/s':>10} {'vs gloo':>8} "
+              f"{'compute':>9} {'comm':>9} {'hidden':>7}  replicas")
         base = results.get("gloo", {}).get("ddp")
         for b in args.backends:
             if b not in results:
-                print(f"  {b:>12}  {unavailable[b].splitlines()[0]}")
+                print(f"  {b:>15}  {unavailable[b].splitlines()[0]}")
                 continue
             d = results[b]["ddp"]
             rel = f"{base['step_ms'] / d['step_ms']:.2f}x" if base else "-"
             agree = "agree" if d["replicas_agree"] else "DIFFER"
             bad = bad or not d["replicas_agree"]
-            print(f"  {b:>12} {d['step_ms']:10.1f} {d['images_per_s']:10.1f} {rel:>8}  {agree}")
+            print(f"  {b:>15} {d['step_ms']:10.1f} {d['images_per_s']:10.1f} {rel:>8} "
+                  f"{d['compute_ms']:9.1f} {d['comm_ms']:9.1f} {d['hidden']:7.0%}  {agree}")
     if args.json:
         common.write_json(args.json, {"host": info, "config": {
             k: v for k, v in vars(args).items() if k != "json"}, "results": results,

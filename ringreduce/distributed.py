@@ -133,9 +133,10 @@ class RingReduceWork(_Work):
     on CUDA it then makes the caller's current stream wait for the collective's end event.
     """
 
-    def __init__(self, name, outputs, device):
+    def __init__(self, name, outputs, device, group):
         super().__init__()
         self._name = name
+        self._group = group
         self._outputs = outputs
         self._device = device
         self._done = threading.Event()
@@ -182,6 +183,12 @@ class RingReduceWork(_Work):
         if self._error is not None:
             raise self._error
         if self._end is not None:
+            failure = self._group._failure
+            if failure is not None and not self._end.query():
+                # The group failed (e.g. the GPU watchdog: a peer's GPU work never came) while
+                # this collective's GPU work is unfinished: waiting on it could block the
+                # caller's stream for ever.
+                raise RuntimeError(f"ringreduce: {self._name} did not finish on the GPU: {failure}")
             torch.cuda.current_stream(self._device).wait_event(self._end)
         return True
 
@@ -437,7 +444,7 @@ class RingReduceProcessGroup(_ProcessGroup):
                 if t.device != device:
                     raise ValueError(f"ringreduce {name}: tensors on {device} and {t.device}; "
                                      "a rank drives one GPU")
-        work = RingReduceWork(name, outputs, device)
+        work = RingReduceWork(name, outputs, device, self)
         if not self._async:
             try:
                 run()

@@ -167,10 +167,13 @@ class HostGroup {
   std::string describe(const Ctx& ctx) const;  // "all_reduce #3 on rank 1"
 
   // Teardown of the CUDA path: announces that this rank has released every peer's IPC events
-  // and memory, then waits (at most until `deadline`) until every peer has announced the same,
-  // has closed its group or has exited. True when all have: this rank's exported events are
-  // then no longer used by anyone and may be destroyed.
+  // and memory, then waits (at most until `deadline`) until every peer has announced the same
+  // or has exited. True when all have: this rank's exported events and staging area are then
+  // no longer used by anyone and may be freed. A peer whose group is closed or aborted without
+  // that announcement is not waited for (it may never make it) and makes the answer false.
   bool release_cuda_and_wait(std::chrono::steady_clock::time_point deadline) const;
+  // True when rank `peer` has exited, or its group is no longer live (aborted or closed).
+  bool peer_gone(int peer) const;
 
  private:
   enum class Problem { Timeout, Exited, Aborted, Closed };

@@ -72,13 +72,14 @@ struct IpcSlot {
 };
 
 // CUDA state a rank shares with its peers (opaque bytes here, so this header stays CUDA-free).
+// Written once, by the CUDA setup step of the rank's first CUDA collective.
 struct CudaArea {
   int32_t device;            // ordinal of the rank's GPU
   int32_t nevents;           // IPC events exported in `events`
   uint64_t device_uuid[2];   // cudaDeviceProp::uuid, to tell "same GPU" across processes
   IpcSlot events[kMaxEvents];
-  IpcSlot mem;               // IPC handle of the allocation holding the current buffer
-  int64_t mem_offset;        // byte offset of the buffer inside that allocation
+  IpcSlot staging;           // IPC handle of the rank's device staging area (its own cudaMalloc)
+  int64_t staging_bytes;     // its size: RINGREDUCE_CUDA_BUFFER_BYTES, the same on every rank
 };
 
 enum : uint32_t { kLive = 0, kAborted = 1, kClosed = 2 };

@@ -2,8 +2,10 @@
 // GPU). Torch-free: raw device pointers, int64 counts, cudaStream_t. Compiled only in CUDA
 // builds.
 //
-// NOT RUN: compiled with nvcc, never executed (no GPU was available while it was written). Its
-// tests (tests/test_distributed_cuda.py) skip without a GPU.
+// NOT RUN: compiled with nvcc, never executed on a GPU (none was available while it was
+// written); tests/test_distributed_cuda.py skips without one. Its protocol (handshakes, rounds
+// and slots, stream and event ordering, teardown) runs on a fake CUDA runtime in
+// tests/test_cuda_protocol.py.
 //
 // Data: no process ever maps another process's user tensor. At its first CUDA collective every
 // rank cudaMallocs a persistent staging area (RINGREDUCE_CUDA_BUFFER_BYTES, split into two

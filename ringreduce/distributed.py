@@ -15,8 +15,9 @@ segment, the names go through the process group's store, every rank maps every p
 segment and each rank unlinks its own as soon as all have mapped it (nothing stays in
 /dev/shm). CPU tensors are staged through those segments and run the same ring schedule as
 ``ringreduce.all_reduce``, so results are bitwise equal to it and identical on every rank.
-CUDA tensors are shared through CUDA IPC and synchronised with IPC events ordered by a
-host-side handshake (see csrc/multiprocess/cuda_collectives.h); several ranks may share one GPU.
+CUDA tensors are copied through a persistent device staging area per rank, shared once through
+CUDA IPC, and synchronised with IPC events ordered by a host-side handshake (see
+csrc/multiprocess/cuda_collectives.h); several ranks may share one GPU.
 
 Every wait on another rank is bounded by the group's ``timeout``: a rank that died, failed or
 never joined makes the others raise a ``RuntimeError`` naming the collective, the peer and the
@@ -38,7 +39,9 @@ group, so with ``"cpu:gloo,cuda:ringreduce"`` the ringreduce group also serves C
 (through shared memory); gloo is not used.
 
 Knobs (environment): ``RINGREDUCE_SHM_BYTES``, the shared-memory staging area per rank for CPU
-tensors (default 4 MiB; larger tensors go in rounds); ``RINGREDUCE_ASYNC`` (default 1).
+tensors (default 4 MiB; larger tensors go in rounds); ``RINGREDUCE_CUDA_BUFFER_BYTES``, the
+device staging area per rank for CUDA tensors (default 32 MiB, allocated at the first CUDA
+collective; larger tensors go in rounds); ``RINGREDUCE_ASYNC`` (default 1).
 """
 import collections
 import datetime
@@ -53,6 +56,7 @@ import torch.distributed as dist
 
 BACKEND_NAME = "ringreduce"
 DEFAULT_SHM_BYTES = 4 << 20
+DEFAULT_CUDA_BUFFER_BYTES = 32 << 20
 
 SUPPORTED_COLLECTIVES = (
     "all_reduce", "all_reduce_coalesced", "broadcast", "all_gather", "all_gather_into_tensor",
@@ -98,6 +102,20 @@ def _shm_bytes():
         raise ValueError(f"RINGREDUCE_SHM_BYTES must be a number of bytes; got {raw!r}") from None
     if value < 4096:
         raise ValueError(f"RINGREDUCE_SHM_BYTES must be at least 4096; got {value}")
+    return (value + 4095) // 4096 * 4096
+
+
+def _cuda_buffer_bytes():
+    raw = os.environ.get("RINGREDUCE_CUDA_BUFFER_BYTES", "")
+    if not raw.strip():
+        return DEFAULT_CUDA_BUFFER_BYTES
+    try:
+        value = int(raw)
+    except ValueError:
+        raise ValueError(
+            f"RINGREDUCE_CUDA_BUFFER_BYTES must be a number of bytes; got {raw!r}") from None
+    if value < 4096:
+        raise ValueError(f"RINGREDUCE_CUDA_BUFFER_BYTES must be at least 4096; got {value}")
     return (value + 4095) // 4096 * 4096
 
 
@@ -345,7 +363,8 @@ class RingReduceProcessGroup(_ProcessGroup):
         incarnation = (store.add("ringreduce/joined", 1) - 1) // world_size
         prefix = f"ringreduce/{incarnation}"
         tag = f"{os.getpid()}-{secrets.token_hex(4)}"
-        self._comm = _dist_C.Comm(rank, world_size, _shm_bytes(), self._timeout_s, tag)
+        self._comm = _dist_C.Comm(rank, world_size, _shm_bytes(), self._timeout_s, tag,
+                                  _cuda_buffer_bytes())
         try:
             deadline = datetime.datetime.now() + datetime.timedelta(seconds=self._timeout_s)
             store.set(f"{prefix}/name/{rank}", self._comm.name)

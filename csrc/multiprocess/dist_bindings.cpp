@@ -62,11 +62,6 @@ int64_t nbytes(const at::Tensor& t) { return t.numel() * int64_t(t.element_size(
 }
 #endif
 
-std::string error_text(const std::exception& e) {
-  const auto* c10_error = dynamic_cast<const c10::Error*>(&e);
-  return c10_error != nullptr ? c10_error->what_without_backtrace() : e.what();
-}
-
 bool overlaps(const at::Tensor& a, const at::Tensor& b) {
   if (nbytes(a) == 0 || nbytes(b) == 0) return false;
   const auto a_lo = reinterpret_cast<uintptr_t>(a.data_ptr());
@@ -90,8 +85,10 @@ struct GilFreeLock {
 
 class Comm {
  public:
-  Comm(int rank, int nranks, int64_t capacity, double timeout_s, const std::string& tag)
-      : g_(rank, nranks, capacity, timeout_s, tag) {}
+  // `cuda_capacity`: bytes of the device staging area a CUDA collective allocates on first use.
+  Comm(int rank, int nranks, int64_t capacity, double timeout_s, const std::string& tag,
+       int64_t cuda_capacity)
+      : g_(rank, nranks, capacity, timeout_s, tag), cuda_capacity_(cuda_capacity) {}
 
   std::string name() const { return g_.name(); }
   int rank() const { return g_.rank(); }
@@ -124,6 +121,18 @@ class Comm {
     g_.fail("ringreduce: the process group was aborted on rank " + std::to_string(g_.rank()) +
             " (ProcessGroup.abort)");
   }
+  // Whether every rank drives a distinct GPU (None before the first CUDA collective).
+  pybind11::object cuda_distinct_gpus() {
+    int answer = -1;
+#ifdef RINGREDUCE_WITH_CUDA
+    {
+      const GilFreeLock held(mu_);
+      if (peers_) answer = rr::dist::cuda::distinct_gpus(*peers_) ? 1 : 0;
+    }
+#endif
+    if (answer < 0) return pybind11::none();
+    return pybind11::bool_(answer == 1);
+  }
   // Marks the group failed with `message` (an error outside the executors, e.g. in the
   // progress thread): peers waiting on this rank fail at once, naming it. Lock-free, like abort.
   void fail(const std::string& message) { g_.fail(message); }
@@ -154,7 +163,7 @@ class Comm {
 #ifdef RINGREDUCE_WITH_CUDA
       c10::cuda::CUDAGuard guard(t.device());
       CudaCall c = cuda_call(t, fn);
-      rr::dist::cuda::all_reduce(g_, *c.peers, buffer(t, fn), t.numel(), dtype, op, c.stream);
+      rr::dist::cuda::all_reduce(g_, *c.peers, t.data_ptr(), t.numel(), dtype, op, c.stream);
       return;
 #else
       no_cuda(fn);
@@ -173,7 +182,7 @@ class Comm {
 #ifdef RINGREDUCE_WITH_CUDA
       c10::cuda::CUDAGuard guard(t.device());
       CudaCall c = cuda_call(t, fn);
-      rr::dist::cuda::broadcast(g_, *c.peers, buffer(t, fn), nbytes(t), root, c.stream);
+      rr::dist::cuda::broadcast(g_, *c.peers, t.data_ptr(), nbytes(t), root, c.stream);
       return;
 #else
       no_cuda(fn);
@@ -201,8 +210,8 @@ class Comm {
       ptrs.push_back(outs[i].data_ptr());
     }
     // The input may be exactly this rank's output slot (all_gather_into_tensor in place). Any
-    // other overlap with an output goes through a copy: on CUDA the peers read the input while
-    // this rank writes its outputs, and on CPU a later round would read overwritten input.
+    // other overlap with an output goes through a copy: a later round would read overwritten
+    // input.
     const int me = g_.rank();
     bool clash = false;
     for (int q = 0; q < g_.nranks(); ++q) {
@@ -216,8 +225,7 @@ class Comm {
       c10::cuda::CUDAGuard guard(in.device());
       CudaCall c = cuda_call(in, fn);
       for (const at::Tensor& o : outs) record(o);
-      rr::dist::cuda::all_gather(g_, *c.peers, buffer(in, fn), ptrs.data(), nbytes(in),
-                                 c.stream);
+      rr::dist::cuda::all_gather(g_, *c.peers, in.data_ptr(), ptrs.data(), nbytes(in), c.stream);
       return;
 #else
       no_cuda(fn);
@@ -239,12 +247,12 @@ class Comm {
     TORCH_CHECK_VALUE(in.numel() == out.numel() * g_.nranks(), "ringreduce reduce_scatter: "
                       "input must hold world size (", g_.nranks(), ") x output elements (",
                       out.numel(), "); got ", in.numel());
-    // The CUDA executor reads this rank's input while it writes the output, so any overlap
-    // goes through a scratch output. The CPU one stages each round's input first, so only
-    // this rank's own segment (reduce_scatter_tensor in place) is safe there.
+    // Both executors stage each round's input before writing that round's output, so only
+    // this rank's own segment (reduce_scatter_tensor in place) is safe; any other overlap goes
+    // through a scratch output.
     const bool own_segment = static_cast<const char*>(out.data_ptr()) ==
                              static_cast<const char*>(in.data_ptr()) + g_.rank() * nbytes(out);
-    const bool scratch = overlaps(out, in) && (in.is_cuda() || !own_segment);
+    const bool scratch = overlaps(out, in) && !own_segment;
     const at::Tensor dst = scratch ? at::empty_like(out) : out;
     const GilFreeLock held(mu_);
     if (in.is_cuda()) {
@@ -252,7 +260,7 @@ class Comm {
       c10::cuda::CUDAGuard guard(in.device());
       CudaCall c = cuda_call(in, fn);
       record(out);
-      rr::dist::cuda::reduce_scatter(g_, *c.peers, buffer(in, fn), dst.data_ptr(), out.numel(),
+      rr::dist::cuda::reduce_scatter(g_, *c.peers, in.data_ptr(), dst.data_ptr(), out.numel(),
                                      dtype, op, c.stream);
       if (scratch) out.copy_(dst);
       return;
@@ -277,8 +285,8 @@ class Comm {
   };
 
   // Runs under mu_ without the GIL, on the tensor's device. The first CUDA collective sets up
-  // this rank's IPC events on that device (a collective step of its own); every later one
-  // must use that same device.
+  // this rank's staging area and IPC events on that device (a collective step of its own);
+  // every later one must use that same device.
   CudaCall cuda_call(const at::Tensor& t, const char* fn) {
     const int dev = t.get_device();
     const cudaStream_t stream =
@@ -291,7 +299,7 @@ class Comm {
                 cudaGetErrorString(err), ")");
     TORCH_CHECK(capture == cudaStreamCaptureStatusNone, "ringreduce ", fn, ": cannot run inside "
                 "CUDA graph capture (multi-process collectives synchronise on the host)");
-    if (!peers_) peers_ = rr::dist::cuda::make_peers(g_, dev);
+    if (!peers_) peers_ = rr::dist::cuda::make_peers(g_, dev, cuda_capacity_);
     TORCH_CHECK_VALUE(rr::dist::cuda::device_of(*peers_) == dev, "ringreduce ", fn, ": tensor "
                       "is on cuda:", dev, " but this rank's earlier CUDA collectives used cuda:",
                       rr::dist::cuda::device_of(*peers_), "; a process group rank drives one "
@@ -300,40 +308,18 @@ class Comm {
     return CudaCall{peers_.get(), stream};
   }
 
-  // The buffer is last used on `stream` (which waits for the peers' reads): tell the caching
-  // allocator, so a tensor freed right after the call is not reused before that point.
+  // The collective uses the tensor on `stream` (and reads it on an internal copy stream that
+  // `stream` waits for): tell the caching allocator, so a tensor freed right after the call is
+  // not reused before that work is done.
   static void record(const at::Tensor& t) {
     c10::cuda::CUDACachingAllocator::recordStream(
         t.storage().data_ptr(),
         c10::cuda::getCurrentCUDAStream(static_cast<c10::DeviceIndex>(t.get_device())));
   }
 
-  // The tensor and the start of the cudaMalloc allocation that holds it: the caching allocator
-  // looks blocks up by the storage's own pointer, and CUDA IPC exports whole allocations. A
-  // failure here comes before the executor takes its sequence number, so it marks the group
-  // failed itself: the peers then fail at once instead of timing out.
-  rr::dist::cuda::Buffer buffer(const at::Tensor& t, const char* fn) {
-    if (nbytes(t) == 0) return rr::dist::cuda::Buffer{t.data_ptr(), t.data_ptr()};
-    try {
-      size_t alloc_size = 0;
-      void* base = c10::cuda::CUDACachingAllocator::getBaseAllocation(
-          t.storage().data_ptr().get(), &alloc_size);
-      return rr::dist::cuda::Buffer{t.data_ptr(), base};
-    } catch (const std::exception& e) {
-      const std::string msg =
-          std::string("ringreduce ") + fn + " on rank " + std::to_string(g_.rank()) +
-          ": cannot share the tensor with the other ranks through CUDA IPC: " +
-          error_text(e) + " (CUDA IPC needs memory that PyTorch's caching "
-          "allocator got from cudaMalloc: it is not with PYTORCH_CUDA_ALLOC_CONF="
-          "expandable_segments:True nor with the backend:cudaMallocAsync allocator, and a tensor "
-          "from another allocator cannot be shared)";
-      g_.fail(msg);
-      TORCH_CHECK(false, msg);
-    }
-  }
-
 #endif
   HostGroup g_;
+  int64_t cuda_capacity_;
 #ifdef RINGREDUCE_WITH_CUDA
   rr::dist::cuda::PeersPtr peers_;  // declared after g_: released before the group closes
 #endif
@@ -353,9 +339,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
 #endif
   m.attr("max_ranks") = rr::dist::kMaxRanks;
   pybind11::class_<Comm>(m, "Comm")
-      .def(pybind11::init<int, int, int64_t, double, const std::string&>(),
+      .def(pybind11::init<int, int, int64_t, double, const std::string&, int64_t>(),
            pybind11::arg("rank"), pybind11::arg("size"), pybind11::arg("capacity"),
-           pybind11::arg("timeout"), pybind11::arg("tag"))
+           pybind11::arg("timeout"), pybind11::arg("tag"), pybind11::arg("cuda_capacity"))
       .def_property_readonly("name", &Comm::name)
       .def_property_readonly("rank", &Comm::rank)
       .def_property_readonly("size", &Comm::size)
@@ -365,6 +351,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("close", &Comm::close)
       .def("abort", &Comm::abort)
       .def("fail", &Comm::fail, pybind11::arg("message"))
+      .def("cuda_distinct_gpus", &Comm::cuda_distinct_gpus)
       .def("check", &Comm::check, pybind11::arg("tensor"), pybind11::arg("op"),
            pybind11::arg("fn"), pybind11::arg("arg"))
       .def("set_timeout", &Comm::set_timeout, pybind11::arg("seconds"))

@@ -392,6 +392,11 @@ void HostGroup::fail(const std::string& msg) {
   futex_wake_all(&own->wake);
 }
 
+bool HostGroup::peer_gone(int peer) const {
+  return headers_[size_t(peer)]->state.load(std::memory_order_acquire) != kLive ||
+         peer_dead(peer);
+}
+
 bool HostGroup::release_cuda_and_wait(Clock::time_point deadline) const {
   if (closed()) return false;
   headers_[size_t(rank_)]->cuda_released.store(1, std::memory_order_seq_cst);
@@ -401,11 +406,17 @@ bool HostGroup::release_cuda_and_wait(Clock::time_point deadline) const {
     auto next_liveness_check = Clock::now();
     while (h->cuda_released.load(std::memory_order_acquire) == 0) {
       const auto t = Clock::now();
-      if (t >= deadline) return false;
       if (t >= next_liveness_check) {
-        if (peer_dead(r)) break;
+        if (peer_dead(r)) break;  // its process is gone, and with it its mappings
         next_liveness_check = t + std::chrono::milliseconds(100);
       }
+      // A peer announces its release before it closes its group (release, then acquire: the
+      // announcement is visible once the state is).
+      if (h->state.load(std::memory_order_acquire) != kLive) {
+        if (h->cuda_released.load(std::memory_order_acquire) == 0 && !peer_dead(r)) return false;
+        break;
+      }
+      if (t >= deadline) return false;
       std::this_thread::sleep_for(std::chrono::milliseconds(1));
     }
   }

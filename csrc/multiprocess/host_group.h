@@ -72,13 +72,14 @@ struct IpcSlot {
 };
 
 // CUDA state a rank shares with its peers (opaque bytes here, so this header stays CUDA-free).
+// Written once, by the CUDA setup step of the rank's first CUDA collective.
 struct CudaArea {
   int32_t device;            // ordinal of the rank's GPU
   int32_t nevents;           // IPC events exported in `events`
   uint64_t device_uuid[2];   // cudaDeviceProp::uuid, to tell "same GPU" across processes
   IpcSlot events[kMaxEvents];
-  IpcSlot mem;               // IPC handle of the allocation holding the current buffer
-  int64_t mem_offset;        // byte offset of the buffer inside that allocation
+  IpcSlot staging;           // IPC handle of the rank's device staging area (its own cudaMalloc)
+  int64_t staging_bytes;     // its size: RINGREDUCE_CUDA_BUFFER_BYTES, the same on every rank
 };
 
 enum : uint32_t { kLive = 0, kAborted = 1, kClosed = 2 };
@@ -167,10 +168,13 @@ class HostGroup {
   std::string describe(const Ctx& ctx) const;  // "all_reduce #3 on rank 1"
 
   // Teardown of the CUDA path: announces that this rank has released every peer's IPC events
-  // and memory, then waits (at most until `deadline`) until every peer has announced the same,
-  // has closed its group or has exited. True when all have: this rank's exported events are
-  // then no longer used by anyone and may be destroyed.
+  // and memory, then waits (at most until `deadline`) until every peer has announced the same
+  // or has exited. True when all have: this rank's exported events and staging area are then
+  // no longer used by anyone and may be freed. A peer whose group is closed or aborted without
+  // that announcement is not waited for (it may never make it) and makes the answer false.
   bool release_cuda_and_wait(std::chrono::steady_clock::time_point deadline) const;
+  // True when rank `peer` has exited, or its group is no longer live (aborted or closed).
+  bool peer_gone(int peer) const;
 
  private:
   enum class Problem { Timeout, Exited, Aborted, Closed };

@@ -1,0 +1,60 @@
+// A fake of the few CUDA runtime calls that csrc/multiprocess/cuda_collectives.cu makes, so that
+// its multi-process protocol runs on a machine without a GPU (tests/test_cuda_protocol.py).
+// "Device" memory is POSIX shared memory (IPC handles carry its name), a stream is a worker
+// thread that runs its queued operations in order after random delays, and an event is a set of
+// per-record completion counters in shared memory, with CUDA's semantics: a wait waits for the
+// event's most recent record at the time of the call, and an unrecorded event is complete.
+// Kernels (launch_step) run the CPU executor's combine. What it cannot check: anything about
+// real GPUs (IPC mappings, peer access, kernels, the driver's behaviour when a process dies).
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+enum cudaError_t {
+  cudaSuccess = 0,
+  cudaErrorInvalidValue = 1,
+  cudaErrorNotReady = 600,
+  cudaErrorUnknown = 999
+};
+typedef struct FakeStream* cudaStream_t;
+typedef struct FakeEvent* cudaEvent_t;
+struct cudaIpcEventHandle_t { char reserved[64]; };
+struct cudaIpcMemHandle_t { char reserved[64]; };
+struct cudaUUID_t { char bytes[16]; };
+struct cudaDeviceProp {
+  cudaUUID_t uuid;
+  char name[256];
+};
+enum cudaMemcpyKind { cudaMemcpyDefault = 4 };
+#define cudaEventDisableTiming 0x02u
+#define cudaEventInterprocess 0x04u
+#define cudaStreamNonBlocking 0x01u
+#define cudaIpcMemLazyEnablePeerAccess 0x01u
+
+cudaError_t cudaGetLastError();
+const char* cudaGetErrorName(cudaError_t err);
+const char* cudaGetErrorString(cudaError_t err);
+cudaError_t cudaGetDevice(int* device);
+cudaError_t cudaSetDevice(int device);
+cudaError_t cudaGetDeviceProperties(cudaDeviceProp* prop, int device);
+cudaError_t cudaMalloc(void** ptr, size_t bytes);
+cudaError_t cudaFree(void* ptr);
+cudaError_t cudaIpcGetMemHandle(cudaIpcMemHandle_t* handle, void* ptr);
+cudaError_t cudaIpcOpenMemHandle(void** ptr, cudaIpcMemHandle_t handle, unsigned flags);
+cudaError_t cudaIpcCloseMemHandle(void* ptr);
+cudaError_t cudaEventCreateWithFlags(cudaEvent_t* event, unsigned flags);
+cudaError_t cudaEventDestroy(cudaEvent_t event);
+cudaError_t cudaEventRecord(cudaEvent_t event, cudaStream_t stream);
+cudaError_t cudaEventQuery(cudaEvent_t event);
+cudaError_t cudaIpcGetEventHandle(cudaIpcEventHandle_t* handle, cudaEvent_t event);
+cudaError_t cudaIpcOpenEventHandle(cudaEvent_t* event, cudaIpcEventHandle_t handle);
+cudaError_t cudaStreamCreateWithFlags(cudaStream_t* stream, unsigned flags);
+cudaError_t cudaStreamDestroy(cudaStream_t stream);
+cudaError_t cudaStreamQuery(cudaStream_t stream);
+cudaError_t cudaStreamWaitEvent(cudaStream_t stream, cudaEvent_t event, unsigned flags);
+cudaError_t cudaMemcpyAsync(void* dst, const void* src, size_t bytes, cudaMemcpyKind kind,
+                            cudaStream_t stream);
+
+// Test-only: blocks until everything queued on `stream` has run.
+void fake_stream_sync(cudaStream_t stream);

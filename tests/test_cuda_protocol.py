@@ -1,0 +1,111 @@
+"""The CUDA backend's protocol on a fake CUDA runtime, so that it runs without a GPU.
+
+csrc/multiprocess/cuda_collectives.cu is compiled by the host compiler against
+tests/fake_cuda/include/cuda_runtime.h (streams are threads that run their work in order after
+random delays, events and "device" memory live in shared memory, kernels are the CPU
+executor's combine) and driven by tests/fake_cuda/protocol_driver.cpp in forked processes. It
+checks the host handshakes, the rounds and slots, the stream and event ordering (a missing wait
+shows up as a mismatch under the random delays) and teardown, byte for byte against the CPU
+collectives. It cannot check anything about real GPUs: tests/test_distributed_cuda.py does.
+"""
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CSRC = os.path.join(ROOT, "csrc")
+FAKE = os.path.join(ROOT, "tests", "fake_cuda")
+CXX = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
+
+pytestmark = pytest.mark.skipif(CXX is None or not sys.platform.startswith("linux"),
+                                reason="needs a C++ compiler on Linux")
+
+
+@pytest.fixture(scope="module")
+def driver(tmp_path_factory):
+    out = tmp_path_factory.mktemp("fake_cuda")
+    exe = out / "protocol_driver"
+    objs = []
+    sources = [(os.path.join(CSRC, "multiprocess", "cuda_collectives.cu"), ["-x", "c++"]),
+               (os.path.join(FAKE, "fake_runtime.cpp"), []),
+               (os.path.join(FAKE, "protocol_driver.cpp"), []),
+               (os.path.join(CSRC, "multiprocess", "host_group.cpp"), []),
+               (os.path.join(CSRC, "multiprocess", "cpu_collectives.cpp"), []),
+               (os.path.join(CSRC, "ring", "cpu_executor.cpp"), [])]
+    # The fake's include directory comes first, so <cuda_runtime.h> is the fake one.
+    flags = ["-std=c++17", "-O1", "-g", "-pthread", "-Wall", "-Werror",
+             "-I", os.path.join(FAKE, "include"), "-I", CSRC]
+    procs = []
+    for src, lang in sources:
+        obj = out / (os.path.basename(src) + ".o")
+        objs.append(str(obj))
+        procs.append((src, subprocess.Popen([CXX, *flags, *lang, "-c", src, "-o", str(obj)],
+                                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                            text=True)))
+    for src, proc in procs:
+        log, _ = proc.communicate(timeout=600)
+        assert proc.returncode == 0, f"compiling {src} failed:\n{log}"
+    link = subprocess.run([CXX, "-pthread", *objs, "-lrt", "-o", str(exe)],
+                          capture_output=True, text=True, timeout=300)
+    assert link.returncode == 0, link.stdout + link.stderr
+    return str(exe)
+
+
+def run(driver, n, staging, mode="check", timeout=280):
+    start = time.monotonic()
+    proc = subprocess.run([driver, str(n), str(staging), mode], capture_output=True, text=True,
+                          timeout=timeout)
+    return proc, time.monotonic() - start
+
+
+def rank_lines(stdout):
+    """{rank: (checked, failures, teardown seconds)} from the driver's report."""
+    found = re.findall(r"rank (\d+): checked (\d+) failures (\d+) teardown ([\d.]+) s", stdout)
+    return {int(r): (int(c), int(f), float(t)) for r, c, f, t in found}
+
+
+@pytest.mark.parametrize("n,staging", [(2, 8192), (3, 4096), (4, 8192), (4, 1 << 16)])
+def test_collectives_match_the_cpu_path(driver, n, staging):
+    proc, _ = run(driver, n, staging)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    lines = rank_lines(proc.stdout)
+    assert sorted(lines) == list(range(n)), proc.stdout
+    for rank, (checked, failures, teardown) in lines.items():
+        assert checked > 900 and failures == 0, (rank, proc.stderr)
+        assert teardown < 1.0, f"rank {rank}: teardown took {teardown:.2f} s"
+
+
+def test_killed_rank_fails_the_others_and_teardown_is_bounded(driver):
+    n = 3
+    proc, elapsed = run(driver, n, 8192, "kill")
+    exits = dict(re.findall(r"rank (\d+) exit (\d+)", proc.stdout))
+    assert exits.get(str(n - 1)) == "9", proc.stdout + proc.stderr
+    for rank in range(n - 1):
+        assert exits.get(str(rank)) == "3", proc.stdout + proc.stderr
+        errors = [line for line in proc.stderr.splitlines() if line.startswith(f"rank {rank}:")]
+        assert errors and f"rank {n - 1}" in errors[0], proc.stderr
+    # The survivors' queued work may wait forever for the dead rank's events: teardown gives
+    # it about a second once a peer is gone, then leaks instead of waiting.
+    assert elapsed < 20.0, f"took {elapsed:.1f} s:\n{proc.stderr}"
+
+
+def test_teardown_does_not_wait_for_an_aborted_peer(driver):
+    proc, _ = run(driver, 3, 8192, "abort")
+    lines = rank_lines(proc.stdout)
+    assert sorted(lines) == [0, 1, 2], proc.stdout + proc.stderr
+    for rank, (_, failures, teardown) in lines.items():
+        assert failures == 0, proc.stderr
+        assert teardown < 0.5, f"rank {rank}: teardown took {teardown:.2f} s"
+
+
+def test_teardown_waits_for_a_live_peer_to_release(driver):
+    proc, _ = run(driver, 3, 8192, "skew")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    lines = rank_lines(proc.stdout)
+    for rank in (1, 2):
+        assert 0.8 < lines[rank][2] < 3.0, lines

@@ -1,0 +1,279 @@
+"""The "ringreduce" backend on CUDA tensors: 2 and 4 spawned processes sharing cuda:0.
+
+NOT RUN: written on a machine without a GPU; every test here skips without one.
+
+What it checks: every collective, dtype and awkward size (many larger than a small staging
+area, so they go in rounds) bit for bit against ringreduce.all_reduce and the references; the
+caching allocator releasing memory mid-run (torch.cuda.empty_cache on one rank), and
+expandable segments and cudaMallocAsync (user tensors are copied through each rank's own
+staging area, never mapped by a peer); a rank killed mid-collective; asynchronous work ordered
+on the caller's stream; bounded teardown.
+"""
+import os
+import signal
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import ringreduce
+from reference import ALL_DTYPES, _combine, random_inputs, ring_model, valid_ops
+from test_distributed import _shm_names, init, run_ranks, values
+
+HAS_CUDA = torch.cuda.is_available()
+pytestmark = [
+    pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU (the ranks share cuda:0)"),
+    pytest.mark.skipif(HAS_CUDA and not ringreduce.build_info()["cuda"],
+                       reason="ringreduce was built CPU-only (torch without CUDA or no nvcc)"),
+]
+
+# A staging area of 8 KiB (two 4 KiB slots): most sizes below go in several rounds.
+SMALL_STAGING = {"RINGREDUCE_CUDA_BUFFER_BYTES": "8192"}
+SIZES = (0, 1, 7, 33, 1000, 4099)
+BIG = 70001
+REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "avg": dist.ReduceOp.AVG, "max": dist.ReduceOp.MAX,
+              "min": dist.ReduceOp.MIN, "prod": dist.ReduceOp.PRODUCT}
+FAULT_TIMEOUT = 6.0
+DEV = torch.device("cuda", 0)
+
+
+def _sweep(rank, world, store):
+    init(rank, world, store)
+    torch.cuda.set_device(DEV)
+    pg = dist.group.WORLD
+
+    def churn():
+        # One rank returns its cached blocks to the driver between collectives: nothing a peer
+        # uses may live in them.
+        if rank == 0:
+            torch.cuda.empty_cache()
+
+    checked = 0
+    for dtype in ALL_DTYPES:
+        for op in valid_ops(dtype):
+            big = op == "sum" and dtype in (torch.float32, torch.bfloat16)
+            for count in SIZES + ((BIG,) if big else ()):
+                g = torch.Generator().manual_seed(1000 + checked)
+                inputs = random_inputs(world, count, dtype, op, generator=g)
+                mine = inputs[rank].to(DEV)
+                dist.all_reduce(mine, op=REDUCE_OPS[op])
+                churn()
+                core = [t.to(DEV) for t in inputs]
+                ringreduce.all_reduce(core, op)
+                got = mine.cpu()
+                assert torch.equal(got, core[0].cpu()), f"{dtype} {op} n={count}: differs from core"
+                assert torch.equal(got, ring_model(inputs, op)), f"{dtype} {op} n={count}"
+                checked += 1
+    assert pg._comm.cuda_distinct_gpus() is False, "every rank is on cuda:0: the GPU is shared"
+
+    for dtype in (torch.float32, torch.int8, torch.float64):
+        for root in range(world):
+            for count in (0, 5, 3001, 20011):
+                g = torch.Generator().manual_seed(root * 7 + count)
+                expect = random_inputs(1, count, dtype, "sum", generator=g)[0]
+                t = expect.to(DEV) if rank == root else torch.full(
+                    (count,), 3, dtype=dtype, device=DEV)
+                dist.broadcast(t, src=root)
+                churn()
+                assert torch.equal(t.cpu(), expect), f"broadcast {dtype} root={root} n={count}"
+
+    poison = 100  # outside the values below (0..96)
+    for dtype in (torch.int64, torch.float16, torch.uint8):
+        for count in (0, 3, 4099, 9001):
+            def value(r):
+                return ((torch.arange(count) * 7 + 1000 * r) % 97).to(dtype)
+
+            mine = value(rank).to(DEV)
+            outs = [torch.full((count,), poison, dtype=dtype, device=DEV)
+                    for _ in range(world)]
+            dist.all_gather(outs, mine)
+            mine.fill_(poison)  # after the call, on the caller's stream: must not leak in
+            churn()
+            for r in range(world):
+                assert torch.equal(outs[r].cpu(), value(r)), f"all_gather {dtype} n={count}"
+            flat = torch.full((world * count,), 5, dtype=dtype, device=DEV)
+            flat[rank * count:(rank + 1) * count] = value(rank).to(DEV)
+            dist.all_gather_into_tensor(flat, flat[rank * count:(rank + 1) * count])
+            assert torch.equal(flat.cpu(), torch.cat([value(r) for r in range(world)])), \
+                f"all_gather_into_tensor in place {dtype} n={count}"
+
+    for dtype in (torch.int32, torch.float32, torch.float64, torch.bfloat16, torch.float16,
+                  torch.int8):
+        for op in ("sum", "max", "prod", "avg"):
+            if op not in valid_ops(dtype):
+                continue
+            for count in (1, 1031, 5000):
+                g = torch.Generator().manual_seed(count + len(op))
+                full = [t.reshape(world, count)
+                        for t in random_inputs(world, world * count, dtype, op, generator=g)]
+                seg = [full[q][rank] for q in range(world)]
+                expect = seg[0].clone()
+                for q in range(1, world):
+                    expect = _combine(op, expect, seg[q], dtype, q == world - 1, world)
+                out = torch.full((count,), 7, dtype=dtype, device=DEV)
+                flat = full[rank].reshape(-1).to(DEV)
+                dist.reduce_scatter_tensor(out, flat, op=REDUCE_OPS[op])
+                churn()
+                assert torch.equal(out.cpu(), expect), f"reduce_scatter_tensor {dtype} {op}"
+                # In place: the output is this rank's own segment of the input.
+                dist.reduce_scatter_tensor(flat[rank * count:(rank + 1) * count], flat,
+                                           op=REDUCE_OPS[op])
+                assert torch.equal(flat[rank * count:(rank + 1) * count].cpu(), expect), \
+                    f"reduce_scatter_tensor in place {dtype} {op}"
+                out_list = torch.full((count,), 7, dtype=dtype, device=DEV)
+                dist.reduce_scatter(out_list, [s.to(DEV) for s in full[rank]],
+                                    op=REDUCE_OPS[op])
+                assert torch.equal(out_list.cpu(), expect), f"reduce_scatter {dtype} {op}"
+
+    dist.barrier()
+    start = time.monotonic()
+    dist.destroy_process_group()
+    return checked, time.monotonic() - start
+
+
+@pytest.mark.parametrize("asynchronous", ["1", "0"])
+@pytest.mark.parametrize("world", [2, 4])
+def test_collectives_bitwise(tmp_path, world, asynchronous):
+    before = _shm_names()
+    env = dict(SMALL_STAGING, RINGREDUCE_ASYNC=asynchronous)
+    for checked, teardown_s in values(run_ranks(_sweep, world, tmp_path, env=env)):
+        assert checked > 0
+        assert teardown_s < 5.0, f"destroy_process_group took {teardown_s:.1f} s"
+    assert _shm_names() <= before, f"left in /dev/shm: {_shm_names() - before}"
+
+
+def _allocator_churn(rank, world, store, conf):
+    init(rank, world, store)
+    torch.cuda.set_device(DEV)
+    backend = torch.cuda.memory.get_allocator_backend()
+    for i in range(30):
+        count = 1 + (i * 7919) % 50000
+        t = torch.arange(count, dtype=torch.int64, device=DEV) * (rank + 1)
+        dist.all_reduce(t)
+        expect = torch.arange(count, dtype=torch.int64) * (world * (world + 1) // 2)
+        assert torch.equal(t.cpu(), expect), f"all_reduce #{i} n={count} under {conf}"
+        del t
+        torch.cuda.empty_cache()
+    dist.destroy_process_group()
+    return backend
+
+
+@pytest.mark.parametrize("conf", ["expandable_segments:True", "backend:cudaMallocAsync"])
+def test_any_allocator(tmp_path, conf):
+    env = dict(SMALL_STAGING, PYTORCH_CUDA_ALLOC_CONF=conf)
+    for backend in values(run_ranks(_allocator_churn, 2, tmp_path, conf, env=env)):
+        if conf.startswith("backend:"):
+            assert backend == "cudaMallocAsync", backend
+
+
+def _killed_mid_collective(rank, world, store):
+    init(rank, world, store, timeout=FAULT_TIMEOUT)
+    torch.cuda.set_device(DEV)
+    t = torch.ones(1 << 20, device=DEV)
+    dist.all_reduce(t)
+    torch.cuda.synchronize()
+    if rank == world - 1:
+        # Queued, not finished: the peers may already wait for GPU work that never happens.
+        for _ in range(3):
+            dist.all_reduce(t, async_op=True)
+        os.kill(os.getpid(), signal.SIGKILL)
+    start = time.monotonic()
+    msg = "no error"
+    try:
+        for _ in range(100):
+            dist.all_reduce(t)
+    except RuntimeError as exc:
+        msg = str(exc)
+    elapsed = time.monotonic() - start
+    # No synchronize here: this rank's stream may wait forever for the dead rank's event.
+    start = time.monotonic()
+    dist.destroy_process_group()
+    return msg, elapsed, time.monotonic() - start
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_killed_rank_fails_the_others(tmp_path, world):
+    before = _shm_names()
+    results = run_ranks(_killed_mid_collective, world, tmp_path,
+                        env={"RINGREDUCE_CUDA_BUFFER_BYTES": str(1 << 20)})
+    assert results[world - 1][0] == "died"
+    for rank in range(world - 1):
+        status, value = results[rank]
+        assert status == "ok", value
+        msg, elapsed, teardown_s = value
+        assert "all_reduce" in msg and f"rank {world - 1}" in msg, msg
+        assert elapsed < FAULT_TIMEOUT + 2.0, f"took {elapsed:.1f} s: {msg}"
+        assert teardown_s < 5.0, f"destroy_process_group took {teardown_s:.1f} s"
+    assert _shm_names() <= before, f"left in /dev/shm: {_shm_names() - before}"
+
+
+def _sleep_cycles(seconds):
+    """GPU clock cycles that torch.cuda._sleep spins for about `seconds` (measured)."""
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    cycles = 10_000_000
+    start.record()
+    torch.cuda._sleep(cycles)
+    end.record()
+    end.synchronize()
+    return int(cycles * seconds * 1000.0 / max(start.elapsed_time(end), 1e-3))
+
+
+def _async_wait(rank, world, store):
+    init(rank, world, store)
+    torch.cuda.set_device(DEV)
+    t = torch.full((4099,), float(rank + 1), device=DEV)
+    dist.all_reduce(t)  # the CUDA setup step, so that the timed call below only queues work
+    torch.cuda.synchronize()
+    cycles = _sleep_cycles(2.0)
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        torch.cuda._sleep(cycles)
+        t.fill_(float(rank + 2))  # behind the sleep: the collective must wait for it
+        start = time.monotonic()
+        work = dist.all_reduce(t, async_op=True)
+        issued = time.monotonic() - start
+        work.wait()
+        waited = time.monotonic() - start
+        busy = not stream.query()
+        # Queued on the caller's stream after wait(): it must see the collective's result.
+        snapshot = t.clone()
+    stream.synchronize()
+    expect = torch.full((4099,), float(sum(r + 2 for r in range(world))))
+    same = torch.equal(snapshot.cpu(), expect) and torch.equal(t.cpu(), expect)
+    dist.destroy_process_group()
+    return issued, waited, busy, same, work.is_completed()
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_async_wait_orders_the_current_stream(tmp_path, world):
+    for issued, waited, busy, same, completed in values(run_ranks(_async_wait, world, tmp_path)):
+        assert issued < 0.3, f"all_reduce(async_op=True) took {issued:.2f} s to return"
+        assert waited < 1.0, f"wait() blocked the host for {waited:.2f} s (GPU still sleeping)"
+        assert busy, "the caller's stream was idle right after wait(): the test proves nothing"
+        assert same, "work queued on the caller's stream after wait() saw a stale tensor"
+        assert completed
+
+
+def _peer_aborts(rank, world, store):
+    init(rank, world, store, timeout=20.0)  # a stall waiting for the aborted peer would show
+    torch.cuda.set_device(DEV)
+    pg = dist.group.WORLD
+    t = torch.ones(1000, device=DEV)
+    dist.all_reduce(t)
+    torch.cuda.synchronize()
+    if rank == 0:
+        pg.abort()
+    else:
+        try:
+            dist.all_reduce(t)
+        except RuntimeError:
+            pass
+    start = time.monotonic()
+    dist.destroy_process_group()
+    return time.monotonic() - start
+
+
+def test_teardown_does_not_wait_for_an_aborted_peer(tmp_path):
+    for teardown_s in values(run_ranks(_peer_aborts, 3, tmp_path)):
+        assert teardown_s < 3.0, f"destroy_process_group took {teardown_s:.1f} s"

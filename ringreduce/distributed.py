@@ -17,6 +17,8 @@ segment and each rank unlinks its own as soon as all have mapped it (nothing sta
 ``ringreduce.all_reduce``, so results are bitwise equal to it and identical on every rank.
 CUDA tensors are shared through CUDA IPC and synchronised with IPC events ordered by a
 host-side handshake (see csrc/multiprocess/cuda_collectives.h); several ranks may share one GPU.
+Ranks on several hosts: this ring runs inside each host and torch's gloo/NCCL between hosts
+(ringreduce/hierarchy.py).
 
 Every wait on another rank is bounded by the group's ``timeout``: a rank that died, failed or
 never joined makes the others raise a ``RuntimeError`` naming the collective, the peer and the
@@ -50,6 +52,8 @@ import time
 
 import torch
 import torch.distributed as dist
+
+from . import hierarchy
 
 BACKEND_NAME = "ringreduce"
 DEFAULT_SHM_BYTES = 4 << 20
@@ -333,19 +337,29 @@ class RingReduceProcessGroup(_ProcessGroup):
         # incarnations so that every key this one uses is fresh.
         incarnation = (store.add("ringreduce/joined", 1) - 1) // world_size
         prefix = f"ringreduce/{incarnation}"
-        tag = f"{os.getpid()}-{secrets.token_hex(4)}"
-        self._comm = _dist_C.Comm(rank, world_size, _shm_bytes(), self._timeout_s, tag)
-        try:
-            deadline = datetime.datetime.now() + datetime.timedelta(seconds=self._timeout_s)
-            store.set(f"{prefix}/name/{rank}", self._comm.name)
-            names = self._gather_keys(store, f"{prefix}/name", deadline, "join")
-            self._comm.attach([n.decode() for n in names])
-            store.set(f"{prefix}/mapped/{rank}", "1")
-            self._gather_keys(store, f"{prefix}/mapped", deadline, "map the shared memory")
-        except BaseException:
-            self._comm.close()
-            raise
-        self._comm.unlink()
+        # Which host every rank is on (ringreduce/hierarchy.py). Across hosts, `_comm` is a
+        # HierarchicalComm: the same interface, composed of a Comm over this host's ranks and
+        # torch's gloo/NCCL between hosts, so the collectives below route through it unchanged.
+        layout = hierarchy.discover(store, prefix, rank, world_size, self._timeout_s)
+        if layout.hierarchical:
+            self._comm = hierarchy.HierarchicalComm(store, prefix, layout, _shm_bytes(),
+                                                    self._timeout_s)
+        else:
+            tag = f"{os.getpid()}-{secrets.token_hex(4)}"
+            self._comm = _dist_C.Comm(rank, world_size, _shm_bytes(), self._timeout_s, tag)
+            try:
+                deadline = datetime.datetime.now() + datetime.timedelta(seconds=self._timeout_s)
+                store.set(f"{prefix}/name/{rank}", self._comm.name)
+                names = self._gather_keys(store, f"{prefix}/name", deadline, "join")
+                self._comm.attach([n.decode() for n in names])
+                store.set(f"{prefix}/mapped/{rank}", "1")
+                self._gather_keys(store, f"{prefix}/mapped", deadline, "map the shared memory")
+            except BaseException:
+                self._comm.close()
+                raise
+            self._comm.unlink()
+            if layout.nhosts > 1:
+                self._comm = hierarchy.FlatHostsComm(self._comm, layout)
         self._group_name = None
         self._group_desc = ""
         self._async = _async_enabled()

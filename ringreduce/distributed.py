@@ -330,9 +330,6 @@ class RingReduceProcessGroup(_ProcessGroup):
         self._timeout_s = _seconds(timeout)
         self._world_size = world_size
         self._rank = rank
-        if world_size > _dist_C.max_ranks:
-            raise ValueError(f"ringreduce: at most {_dist_C.max_ranks} ranks are supported; "
-                             f"got world_size={world_size}")
         # The store may outlive this group (a re-created group reuses it): number the
         # incarnations so that every key this one uses is fresh.
         incarnation = (store.add("ringreduce/joined", 1) - 1) // world_size
@@ -341,6 +338,11 @@ class RingReduceProcessGroup(_ProcessGroup):
         # HierarchicalComm: the same interface, composed of a Comm over this host's ranks and
         # torch's gloo/NCCL between hosts, so the collectives below route through it unchanged.
         layout = hierarchy.discover(store, prefix, rank, world_size, self._timeout_s)
+        ring = max(map(len, layout.hosts)) if layout.hierarchical else world_size
+        if ring > _dist_C.max_ranks:
+            raise ValueError(f"ringreduce: at most {_dist_C.max_ranks} ranks are supported "
+                             f"{'per host' if layout.hierarchical else 'on one host'}; got "
+                             f"{ring} (world_size={world_size})")
         if layout.hierarchical:
             self._comm = hierarchy.HierarchicalComm(store, prefix, layout, _shm_bytes(),
                                                     self._timeout_s)

@@ -15,10 +15,12 @@ All-reduce of S bytes, H hosts, L ranks per host:
 2. shard j is all-reduced across hosts among the ranks with local index j, one per host, on a
    gloo (CPU) or NCCL (CUDA) group made once, lazily, from the store. Every local rank drives
    its own shard, so every host's NICs carry traffic at once. The host partials are combined
-   here, in host order 0, 1, ..., H-1 (in fp32 for 16-bit floats, rounded once), never by the
-   engine, so the result does not depend on the engine's algorithm: each member receives the
-   partials (an all-gather, H = 2 or small shards) or its 1/H piece of each (an all-to-all),
-   folds them in host order and, in the all-to-all case, all-gathers the finished pieces;
+   here, in host order 0, 1, ..., H-1 (in fp32 for 16-bit floats, rounded once), so the result
+   does not depend on the engine's algorithm: each member receives every partial (an all-gather,
+   shards up to 64 KiB) or its 1/H piece of each (an all-to-all), folds them in host order and,
+   in the all-to-all case, all-gathers the finished pieces (the bytes of a ring all-reduce).
+   One exception: with two hosts, sum, avg and prod of 32/64-bit types use the engine's own
+   all-reduce, whose result is the fold's bit for bit (two operands commute exactly);
 3. all-gather inside the host.
 
 The reduction order is therefore fixed by the launch alone (host numbering, local ranks, the
@@ -239,13 +241,17 @@ def _combine(acc, x, op):
 def fold(rows, op, nranks, out):
     """Combines rows[0], rows[1], ... in that order into `out` (fp32 for 16-bit floats, rounded
     once at the end; avg divides the total by `nranks`)."""
-    wide = torch.float32 if out.dtype in _HALF else out.dtype
-    acc = rows[0].to(wide, copy=True)
+    if out.dtype in _HALF:
+        acc = rows[0].float()
+    else:
+        acc = out
+        acc.copy_(rows[0])
     for row in rows[1:]:
-        acc = _combine(acc, row.to(wide), op)
+        acc = _combine(acc, row.to(acc.dtype), op)
     if op == "avg":
         acc.div_(nranks)
-    out.copy_(acc)
+    if acc is not out:
+        out.copy_(acc)
 
 
 class _Stop(RuntimeError):
@@ -394,8 +400,7 @@ class HierarchicalComm:
             nh, nl, b = lay.nhosts, lay.local_size, src.numel()
             members = tuple(ranks[lay.local_rank] for ranks in lay.hosts)
             across = torch.empty(nh * b, dtype=torch.uint8, device=src.device)
-            self._xhost(members, src, "all_gather",
-                        lambda g: g._allgather_base(across, src))
+            self._xhost_all_gather(members, src, across, "all_gather")
             every = torch.empty(nl * nh * b, dtype=torch.uint8, device=src.device)
             parts = list(every.view(nl, nh * b))
             self._local_call("all_gather", parts, across)
@@ -443,11 +448,22 @@ class HierarchicalComm:
     def _xhost_all_reduce(self, x, op, members):
         nh, me = len(members), members.index(self.layout.rank)
         world = self.layout.world_size
-        if nh == 2 or x.numel() * x.element_size() <= SMALL_SHARD_BYTES:
+        if nh == 2 and op in ("sum", "avg", "prod") and x.dtype not in _HALF:
+            # Two operands commute bit for bit (IEEE and wrapping integer + and *), so the
+            # engine's own all-reduce gives exactly the host-order fold's bits, pipelined.
+            opts = dist.AllreduceOptions()
+            opts.reduceOp = dist.ReduceOp.PRODUCT if op == "prod" else dist.ReduceOp.SUM
+            self._xhost(members, x, "all_reduce", lambda g: g.allreduce([x], opts))
+            if op == "avg":
+                x.div_(world)
+            return
+        if x.numel() * x.element_size() <= SMALL_SHARD_BYTES:
             rows = torch.empty(nh * x.numel(), dtype=x.dtype, device=x.device)
             self._xhost(members, x, "all_reduce", lambda g: g._allgather_base(rows, x))
             fold(rows.view(nh, x.numel()), op, world, x)
             return
+        # Reduce-scatter as an all-to-all (member h gets piece h of every partial) and a fold,
+        # then an all-gather of the finished pieces: the bytes of a ring all-reduce.
         p = chunk_elems(x.numel(), nh, x.element_size())
         pieces = x
         if p * nh != x.numel():
@@ -456,11 +472,25 @@ class HierarchicalComm:
         recv = torch.empty_like(pieces)
         self._xhost(members, pieces, "all_reduce", lambda g: g.alltoall_base(
             recv, pieces, [], [], dist.AllToAllOptions()))
-        mine = torch.empty(p, dtype=x.dtype, device=x.device)
-        fold(recv.view(nh, p), op, world, mine)
-        self._xhost(members, mine, "all_reduce", lambda g: g._allgather_base(pieces, mine))
-        if pieces is not x:
-            x.copy_(pieces[:x.numel()])
+        done = torch.empty(p, dtype=x.dtype, device=x.device)
+        fold(recv.view(nh, p), op, world, done)
+        self._xhost_all_gather(members, done, recv, "all_reduce", send=pieces)
+        x.copy_(recv[:x.numel()])
+
+    def _xhost_all_gather(self, members, src, dst, what, send=None):
+        """dst = every member's src, in member order. Large ones go as an all-to-all whose every
+        slot holds src (`send`: a scratch buffer of len(members) x src, else allocated): gloo's
+        all-gather was 2-3x slower than its all-to-all moving the same 4 MiB per rank (two
+        ranks, the 2-core CI VM; bench/RESULTS.md)."""
+        nh = len(members)
+        if src.numel() * src.element_size() <= SMALL_SHARD_BYTES:
+            self._xhost(members, src, what, lambda g: g._allgather_base(dst, src))
+            return
+        if send is None:
+            send = torch.empty_like(dst)
+        send.view(nh, -1).copy_(src.view(1, -1).expand(nh, -1))
+        self._xhost(members, send, what, lambda g: g.alltoall_base(
+            dst, send, [], [], dist.AllToAllOptions()))
 
     # ---- plumbing ----------------------------------------------------------------------
 

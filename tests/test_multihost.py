@@ -53,31 +53,29 @@ def _mapped_segments():
         return sorted({(int(m.group(1)), int(m.group(2))) for m in _SEGMENT.finditer(f.read())})
 
 
-def _all_reduce_sweep(rank, world, hosts, dtypes, sizes, seed):
-    """All-reduce of every dtype x op x size: (problems, sha256 of every result)."""
+def _all_reduce_sweep(rank, world, hosts, dtypes, sizes, seed, extra=()):
+    """All-reduce of every dtype x op x size, then of each (dtype, op, size) in `extra`:
+    (problems, sha256 of every result)."""
     problems, digest = [], hashlib.sha256()
-    case = 0
-    for dtype in dtypes:
-        for op in valid_ops(dtype):
-            for count in sizes:
-                case += 1
-                g = torch.Generator().manual_seed(seed + case)
-                inputs = random_inputs(world, count, dtype, op, generator=g)
-                first, second = inputs[rank].clone(), inputs[rank].clone()
-                dist.all_reduce(first, op=_reduce_op(op))
-                dist.all_reduce(second, op=_reduce_op(op))
-                name = f"{dtype} {op} n={count}"
-                if not torch.equal(first.view(torch.uint8), second.view(torch.uint8)):
-                    problems.append(f"{name}: two identical calls differ")
-                if not torch.equal(first.view(torch.uint8),
-                                   hierarchical_model(inputs, op, hosts).view(torch.uint8)):
-                    problems.append(f"{name}: differs from the hierarchical model")
-                if count:
-                    try:
-                        assert_close_to_wide(first, inputs, op)
-                    except AssertionError as exc:
-                        problems.append(f"{name}: {exc}")
-                digest.update(first.view(torch.uint8).numpy().tobytes())
+    cases = [(d, o, c) for d in dtypes for o in valid_ops(d) for c in sizes] + list(extra)
+    for case, (dtype, op, count) in enumerate(cases):
+        g = torch.Generator().manual_seed(seed + case)
+        inputs = random_inputs(world, count, dtype, op, generator=g)
+        first, second = inputs[rank].clone(), inputs[rank].clone()
+        dist.all_reduce(first, op=_reduce_op(op))
+        dist.all_reduce(second, op=_reduce_op(op))
+        name = f"{dtype} {op} n={count}"
+        if not torch.equal(first.view(torch.uint8), second.view(torch.uint8)):
+            problems.append(f"{name}: two identical calls differ")
+        if not torch.equal(first.view(torch.uint8),
+                           hierarchical_model(inputs, op, hosts).view(torch.uint8)):
+            problems.append(f"{name}: differs from the hierarchical model")
+        if count:
+            try:
+                assert_close_to_wide(first, inputs, op)
+            except AssertionError as exc:
+                problems.append(f"{name}: {exc}")
+        digest.update(first.view(torch.uint8).numpy().tobytes())
     # NaN propagates through max and min across hosts too (gloo's own MAX would drop it).
     for op in ("max", "min"):
         t = torch.arange(8, dtype=torch.float32)
@@ -119,7 +117,12 @@ def _two_hosts(rank, world, store, hosts):
     pg = dist.group.WORLD
     out = {"pid": os.getpid(), "segments": _mapped_segments(), "layout": pg._comm.layout.hosts,
            "host": pg._comm.layout.host}
-    out["problems"], out["digest"] = _all_reduce_sweep(rank, world, hosts, ALL_DTYPES, SIZES, 0)
+    # Shards over 64 KiB go through the engine's all-to-all (and, for 32/64-bit sum, its
+    # all-reduce); the smaller ones through its all-gather.
+    large = [(torch.float32, "sum", 100000), (torch.float32, "max", 100000),
+             (torch.bfloat16, "avg", 100000), (torch.int8, "prod", 300000)]
+    out["problems"], out["digest"] = _all_reduce_sweep(rank, world, hosts, ALL_DTYPES, SIZES, 0,
+                                                       large)
     problems = out["problems"]
 
     before = hierarchy.inter_host_bytes(pg)
@@ -139,7 +142,7 @@ def _two_hosts(rank, world, store, hosts):
         dist.reduce_scatter(got_list, list(full[rank]), op=_reduce_op(op))
         if not (torch.equal(got, expect) and torch.equal(got_list, expect)):
             problems.append(f"reduce_scatter {dtype} {op} differs from the hierarchical model")
-    for count in (0, 3, 4099):
+    for count in (0, 3, 4099, 20000):
         mine = torch.arange(count, dtype=torch.int64) + 1000 * rank
         outs = [torch.full((count,), -1, dtype=torch.int64) for _ in range(world)]
         dist.all_gather(outs, mine)
@@ -268,10 +271,11 @@ def _killed_host(rank, world, store):
     os.environ["RINGREDUCE_HOST_ID"] = "abcc"[rank]
     init(rank, world, store, timeout=FAULT_TIMEOUT)
     g = torch.Generator().manual_seed(5)
-    inputs = random_inputs(world, 70000, torch.float32, "sum", generator=g)
+    inputs = random_inputs(world, 120000, torch.float32, "max", generator=g)
     t = inputs[rank].clone()
-    dist.all_reduce(t)
-    exact = torch.equal(t, hierarchical_model(inputs, "sum", [[0], [1], [2, 3]]))
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    exact = torch.equal(t, hierarchical_model(inputs, "max", [[0], [1], [2, 3]]))
+    t = torch.ones(1000)
     if rank >= 2:
         os.kill(os.getpid(), signal.SIGKILL)
     time.sleep(0.5)

@@ -450,7 +450,8 @@ class HierarchicalComm:
         world = self.layout.world_size
         if nh == 2 and op in ("sum", "avg", "prod") and x.dtype not in _HALF:
             # Two operands commute bit for bit (IEEE and wrapping integer + and *), so the
-            # engine's own all-reduce gives exactly the host-order fold's bits, pipelined.
+            # engine's own all-reduce gives exactly the host-order fold's bits, in one call and
+            # without a separate fold pass.
             opts = dist.AllreduceOptions()
             opts.reduceOp = dist.ReduceOp.PRODUCT if op == "prod" else dist.ReduceOp.SUM
             self._xhost(members, x, "all_reduce", lambda g: g.allreduce([x], opts))
@@ -480,8 +481,8 @@ class HierarchicalComm:
     def _xhost_all_gather(self, members, src, dst, what, send=None):
         """dst = every member's src, in member order. Large ones go as an all-to-all whose every
         slot holds src (`send`: a scratch buffer of len(members) x src, else allocated): gloo's
-        all-gather was 2-3x slower than its all-to-all moving the same 4 MiB per rank (two
-        ranks, the 2-core CI VM; bench/RESULTS.md)."""
+        all-gather was 1.5-2.5x slower than its all-to-all sending the same bytes per rank
+        (1-16 MiB, two ranks, bench/gloo_exchange.py on the 2-core CI VM; bench/RESULTS.md)."""
         nh = len(members)
         if src.numel() * src.element_size() <= SMALL_SHARD_BYTES:
             self._xhost(members, src, what, lambda g: g._allgather_base(dst, src))

@@ -5,7 +5,7 @@ ResNet-18 trained with DistributedDataParallel.
     python bench/ddp.py                      # CPU: 2 ranks, ringreduce vs gloo
     python bench/ddp.py --device cuda --ranks 4 --backends ringreduce,nccl,gloo
     python bench/ddp.py --skip-ddp --max-bytes 16M --json sweep.json
-    python bench/ddp.py --hosts 2 --skip-ddp  # 2 simulated hosts of 2 ranks: flat, hierarchical, gloo
+    python bench/ddp.py --hosts 2 --skip-ddp  # 2 simulated hosts of 2 ranks each
 
 Every backend gets its own set of --ranks processes on this host (one rank each; on CUDA rank r
 uses GPU r mod the GPU count, so several ranks share a GPU where there are fewer GPUs).
@@ -362,7 +362,8 @@ def main(argv=None):
     print(f"# device {args.device}, {args.ranks} ranks (processes) per backend, "
           f"dtype {args.dtype}, op sum")
     if args.hosts > 1:
-        layout = [[r for r in range(args.ranks) if host_of(r, args) == h] for h in range(args.hosts)]
+        layout = [[r for r in range(args.ranks) if host_of(r, args) == h]
+                  for h in range(args.hosts)]
         print(f"# {args.hosts} simulated hosts (RINGREDUCE_HOST_ID), ranks {layout}; xhost: bytes "
               "sent to other hosts per all-reduce by the busiest rank (TCP counters; "
               "ringreduce-flat: counted ring hops)")

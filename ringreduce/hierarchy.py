@@ -64,9 +64,9 @@ import torch.distributed as dist
 ENV_HOST_ID = "RINGREDUCE_HOST_ID"
 ENV_HIERARCHICAL = "RINGREDUCE_HIERARCHICAL"
 
-# Shards up to this size go across hosts as one all-gather of every member's partial even with
-# more than two hosts (one engine call instead of two). Not tuned: only H = 2 was measured,
-# where the all-gather moves the same bytes as all-to-all plus all-gather.
+# Shards up to this size go across hosts as one all-gather of every member's partial (one engine
+# call instead of two; with H hosts it sends H/2 times the bytes of the two). Not tuned: no
+# run has had more than two hosts.
 SMALL_SHARD_BYTES = 64 << 10
 # How long a rank that lost a connection waits for the peers involved to answer.
 ROLL_CALL_S = 1.0
@@ -446,8 +446,7 @@ class HierarchicalComm:
             flat.copy_(buf[:n])
 
     def _xhost_all_reduce(self, x, op, members):
-        nh, me = len(members), members.index(self.layout.rank)
-        world = self.layout.world_size
+        nh, world = len(members), self.layout.world_size
         if nh == 2 and op in ("sum", "avg", "prod") and x.dtype not in _HALF:
             # Two operands commute bit for bit (IEEE and wrapping integer + and *), so the
             # engine's own all-reduce gives exactly the host-order fold's bits, in one call and

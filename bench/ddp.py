@@ -5,6 +5,7 @@ ResNet-18 trained with DistributedDataParallel.
     python bench/ddp.py                      # CPU: 2 ranks, ringreduce (async and inline) vs gloo
     python bench/ddp.py --device cuda --ranks 4 --backends ringreduce,nccl,gloo
     python bench/ddp.py --skip-ddp --max-bytes 16M --json sweep.json
+    python bench/ddp.py --hosts 2 --skip-ddp  # 2 simulated hosts of 2 ranks each
 
 `ringreduce-sync` is the ringreduce backend with RINGREDUCE_ASYNC=0: every collective runs
 inline in the calling thread, as before the asynchronous engine (the "before" of that change).
@@ -22,13 +23,25 @@ cache rotate through several buffers. Inputs are integer-valued (never zero), so
 exact and #wrong counts elements that differ from it; the exit status is 1 if any is wrong.
 The all-reduce keeps summing into the same buffers while timing, so values grow (to inf for
 long runs); that does not change the work done (no denormals).
+
+--hosts H simulates H hosts on this machine (RINGREDUCE_HOST_ID; ranks split into H contiguous
+blocks): "ringreduce" is then hierarchical (ring inside each host, gloo between hosts) and
+"ringreduce-flat" the single ring over every rank (RINGREDUCE_HIERARCHICAL=0, possible only
+because the simulated hosts share memory). The xhost column is the bytes one rank sends to other
+hosts per all-reduce, the busiest rank's: measured from the kernel's TCP counters (bytes acked
+on this process's sockets whose peer is a rank on another host) for the backends that use TCP,
+and counted by the backend from the ring schedule for ringreduce-flat (its host-crossing hops go
+through shared memory). The model columns give 2*S*(H-1)/(H*L) (hierarchical, L ranks on the
+smallest host) and 2*S*(N-1)/N (flat ring: every host-crossing hop carries it).
 """
 from __future__ import annotations
 
 import argparse
 import datetime
 import os
+import socket
 import statistics
+import struct
 import sys
 import tempfile
 import time
@@ -41,6 +54,7 @@ DTYPES = ("float32", "float64", "bfloat16", "float16")
 # Label -> (torch.distributed backend, environment of its ranks).
 BACKENDS = {"ringreduce": ("ringreduce", {}),
             "ringreduce-sync": ("ringreduce", {"RINGREDUCE_ASYNC": "0"}),
+            "ringreduce-flat": ("ringreduce", {"RINGREDUCE_HIERARCHICAL": "0"}),
             "gloo": ("gloo", {}), "nccl": ("nccl", {})}
 
 
@@ -49,7 +63,10 @@ def parse_args(argv):
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--device", choices=("cpu", "cuda"), default=None,
                    help="tensor device (default: cuda if available, else cpu)")
-    p.add_argument("--ranks", type=int, default=2, help="processes per backend (default 2)")
+    p.add_argument("--ranks", type=int, default=None,
+                   help="processes per backend (default 2, or 2 per host with --hosts)")
+    p.add_argument("--hosts", type=int, default=1,
+                   help="simulated hosts (RINGREDUCE_HOST_ID; default 1)")
     p.add_argument("--backends", default=None,
                    help="comma-separated, of ringreduce, ringreduce-sync, gloo, nccl (default: "
                         "ringreduce,ringreduce-sync,gloo on cpu; ringreduce,ringreduce-sync,"
@@ -75,18 +92,86 @@ def parse_args(argv):
         args.device = "cuda" if torch.cuda.is_available() else "cpu"
     if args.device == "cuda" and not torch.cuda.is_available():
         p.error("--device cuda: no CUDA device is available")
-    if args.ranks < 1:
-        p.error("--ranks must be >= 1")
+    if args.hosts < 1:
+        p.error("--hosts must be >= 1")
+    if args.ranks is None:
+        args.ranks = 2 * args.hosts
+    if args.ranks < args.hosts:
+        p.error("--ranks must be >= 1 per host")
     if args.max_bytes is None:
         args.max_bytes = 64 * common.MiB if args.device == "cpu" else 256 * common.MiB
     if args.backends is None:
         args.backends = ("ringreduce,ringreduce-sync,gloo" if args.device == "cpu"
                          else "ringreduce,ringreduce-sync,nccl,gloo")
+        if args.hosts > 1:
+            args.backends = "ringreduce-flat," + args.backends
     args.backends = [b.strip() for b in args.backends.split(",") if b.strip()]
     for b in args.backends:
         if b not in BACKENDS:
             p.error(f"--backends: unknown backend {b!r} (known: {', '.join(BACKENDS)})")
     return args
+
+
+def host_of(rank, args):
+    return rank * args.hosts // args.ranks
+
+
+def _tcp_sockets():
+    """(local port, peer port or None, bytes acked) for every TCP socket of this process."""
+    out = []
+    for name in os.listdir("/proc/self/fd"):
+        try:
+            if not os.readlink(f"/proc/self/fd/{name}").startswith("socket:"):
+                continue
+            sock = socket.socket(fileno=os.dup(int(name)))
+        except OSError:
+            continue
+        with sock:
+            if sock.type != socket.SOCK_STREAM or sock.family not in (socket.AF_INET,
+                                                                      socket.AF_INET6):
+                continue
+            local = sock.getsockname()[1]
+            try:
+                peer = sock.getpeername()[1]
+            except OSError:
+                peer = None
+            info = sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 256)
+            # struct tcp_info: __u64 tcpi_bytes_acked at offset 120 (Linux >= 4.1).
+            acked = struct.unpack_from("Q", info, 120)[0] if len(info) >= 128 else 0
+            out.append((local, peer, acked))
+    return out
+
+
+class _InterHostBytes:
+    """Bytes this rank sends to ranks on other hosts: TCP (kernel counters, attributed through
+    every rank's local ports) and the ringreduce backend's own count."""
+
+    def __init__(self, dist, world, args):
+        self.dist, self.world, self.args = dist, world, args
+        self.rank = dist.get_rank()
+
+    def _counted(self):
+        from ringreduce import hierarchy
+        pg = self.dist.group.WORLD
+        return hierarchy.inter_host_bytes(pg) if hasattr(pg, "_comm") else None
+
+    def start(self):
+        ports = [None] * self.world
+        self.dist.all_gather_object(ports, [local for local, _, _ in _tcp_sockets()])
+        self.owner = {p: r for r, mine in enumerate(ports) for p in mine}
+        self.before = {(lo, pe): a for lo, pe, a in _tcp_sockets() if pe is not None}
+        self.counted = self._counted()
+
+    def stop(self, calls):
+        me = host_of(self.rank, self.args)
+        tcp = 0
+        for lo, pe, acked in _tcp_sockets():
+            peer = self.owner.get(pe)
+            if peer is not None and host_of(peer, self.args) != me:
+                tcp += acked - self.before.get((lo, pe), 0)
+        counted = self._counted()
+        counted = None if counted is None else (counted - self.counted) / calls
+        return {"tcp": tcp / calls, "counted": counted}
 
 
 def iterations(size, args):
@@ -120,6 +205,8 @@ def _rank_body(rank, world, backend, store, args):
     from ringreduce.distributed import register_backend
 
     register_backend()
+    if args.hosts > 1:
+        os.environ["RINGREDUCE_HOST_ID"] = f"host{host_of(rank, args)}"
     cuda = args.device == "cuda"
     if cuda:
         device = torch.device("cuda", rank % torch.cuda.device_count())
@@ -156,7 +243,10 @@ def _rank_body(rank, world, backend, store, args):
             wrong = int((bufs[0] != expect).sum())
             iters = iterations(size, args)
             times = []
+            xhost = _InterHostBytes(dist, world, args) if args.hosts > 1 else None
             dist.barrier()
+            if xhost:
+                xhost.start()
             for i in range(args.warmup + iters):
                 sync()
                 t0 = time.perf_counter()
@@ -164,6 +254,7 @@ def _rank_body(rank, world, backend, store, args):
                 sync()
                 if i >= args.warmup:
                     times.append(time.perf_counter() - t0)
+            sent = xhost.stop(args.warmup + iters) if xhost else None
             wrong_all = torch.tensor([wrong], dtype=torch.int64, device=device)
             dist.all_reduce(wrong_all)
             t = statistics.median(slowest(times))
@@ -171,6 +262,10 @@ def _rank_body(rank, world, backend, store, args):
             out["sweep"].append({"size": size, "count": count, "iters": iters,
                                  "time_us": t * 1e6, "algbw": algbw, "busbw": busbw,
                                  "wrong": int(wrong_all.item())})
+            if sent is not None:
+                per_rank = [None] * world
+                dist.all_gather_object(per_rank, sent)
+                out["sweep"][-1]["xhost_per_rank"] = per_rank
             del bufs, expect
 
     if not args.skip_ddp:
@@ -289,6 +384,14 @@ def run_backend(label, args):
     return results[0][1], None
 
 
+def xhost_model(size, args):
+    """Bytes the busiest rank sends to other hosts per all-reduce of `size` bytes:
+    [hierarchical, flat ring]."""
+    nh, n = args.hosts, args.ranks
+    smallest = min(sum(1 for r in range(n) if host_of(r, args) == h) for h in range(nh))
+    return [2 * size * (nh - 1) / (nh * smallest), 2 * size * (n - 1) / n]
+
+
 def main(argv=None):
     args = parse_args(sys.argv[1:] if argv is None else argv)
     import torch
@@ -302,6 +405,12 @@ def main(argv=None):
               f"  nccl {'.'.join(map(str, torch.cuda.nccl.version()))}")
     print(f"# device {args.device}, {args.ranks} ranks (processes) per backend, "
           f"dtype {args.dtype}, op sum")
+    if args.hosts > 1:
+        layout = [[r for r in range(args.ranks) if host_of(r, args) == h]
+                  for h in range(args.hosts)]
+        print(f"# {args.hosts} simulated hosts (RINGREDUCE_HOST_ID), ranks {layout}; xhost: bytes "
+              "sent to other hosts per all-reduce by the busiest rank (TCP counters; "
+              "ringreduce-flat: counted ring hops)")
     print(f"# command: {common.command_line()}")
 
     results, unavailable = {}, {}
@@ -317,10 +426,14 @@ def main(argv=None):
     if not args.skip_sweep:
         cols = [common.Column("time", "(us)", 10, ".1f"), common.Column("algbw", "(GB/s)", 7, ".3f"),
                 common.Column("busbw", "(GB/s)", 7, ".3f"), common.Column("#wrong", "", 6, "d")]
+        hosts = args.hosts > 1
+        if hosts:
+            cols = cols + [common.Column("xhost", "(B)", 10, ".0f")]
+        model = [common.Column("hier", "(B)", 10, ".0f"), common.Column("flat", "(B)", 10, ".0f")]
         table = common.Table(
             [common.Column("size", "(B)", 11, "d"), common.Column("count", "(elements)", 11, "d"),
              common.Column("type", "", 8, "s")],
-            [(b, cols) for b in args.backends])
+            [(b, cols) for b in args.backends] + ([("xhost model", model)] if hosts else []))
         print()
         print("\n".join(table.header()))
         sizes = next((r["sweep"] for r in results.values()), [])
@@ -330,9 +443,14 @@ def main(argv=None):
                 if b in results:
                     r = results[b]["sweep"][i]
                     groups.append([r["time_us"], r["algbw"], r["busbw"], r["wrong"]])
+                    if hosts:
+                        key = "counted" if b == "ringreduce-flat" else "tcp"
+                        groups[-1].append(max(x[key] for x in r["xhost_per_rank"]))
                     bad = bad or r["wrong"] > 0
                 else:
                     groups.append(unavailable[b].splitlines()[0])
+            if hosts:
+                groups.append(xhost_model(row["size"], args))
             print(table.row([row["size"], row["count"], args.dtype], groups))
     if not args.skip_ddp:
         print()

@@ -18,6 +18,8 @@ segment and each rank unlinks its own as soon as all have mapped it (nothing sta
 CUDA tensors are copied through a persistent device staging area per rank, shared once through
 CUDA IPC, and synchronised with IPC events ordered by a host-side handshake (see
 csrc/multiprocess/cuda_collectives.h); several ranks may share one GPU.
+Ranks on several hosts: this ring runs inside each host and torch's gloo/NCCL between hosts
+(ringreduce/hierarchy.py).
 
 Every wait on another rank is bounded by the group's ``timeout``: a rank that died, failed or
 never joined makes the others raise a ``RuntimeError`` naming the collective, the peer and the
@@ -53,6 +55,8 @@ import time
 
 import torch
 import torch.distributed as dist
+
+from . import hierarchy
 
 BACKEND_NAME = "ringreduce"
 DEFAULT_SHM_BYTES = 4 << 20
@@ -355,27 +359,39 @@ class RingReduceProcessGroup(_ProcessGroup):
         self._timeout_s = _seconds(timeout)
         self._world_size = world_size
         self._rank = rank
-        if world_size > _dist_C.max_ranks:
-            raise ValueError(f"ringreduce: at most {_dist_C.max_ranks} ranks are supported; "
-                             f"got world_size={world_size}")
         # The store may outlive this group (a re-created group reuses it): number the
         # incarnations so that every key this one uses is fresh.
         incarnation = (store.add("ringreduce/joined", 1) - 1) // world_size
         prefix = f"ringreduce/{incarnation}"
-        tag = f"{os.getpid()}-{secrets.token_hex(4)}"
-        self._comm = _dist_C.Comm(rank, world_size, _shm_bytes(), self._timeout_s, tag,
-                                  _cuda_buffer_bytes())
-        try:
-            deadline = datetime.datetime.now() + datetime.timedelta(seconds=self._timeout_s)
-            store.set(f"{prefix}/name/{rank}", self._comm.name)
-            names = self._gather_keys(store, f"{prefix}/name", deadline, "join")
-            self._comm.attach([n.decode() for n in names])
-            store.set(f"{prefix}/mapped/{rank}", "1")
-            self._gather_keys(store, f"{prefix}/mapped", deadline, "map the shared memory")
-        except BaseException:
-            self._comm.close()
-            raise
-        self._comm.unlink()
+        # Which host every rank is on (ringreduce/hierarchy.py). Across hosts, `_comm` is a
+        # HierarchicalComm: the same interface, composed of a Comm over this host's ranks and
+        # torch's gloo/NCCL between hosts, so the collectives below route through it unchanged.
+        layout = hierarchy.discover(store, prefix, rank, world_size, self._timeout_s)
+        ring = max(map(len, layout.hosts)) if layout.hierarchical else world_size
+        if ring > _dist_C.max_ranks:
+            raise ValueError(f"ringreduce: at most {_dist_C.max_ranks} ranks are supported "
+                             f"{'per host' if layout.hierarchical else 'on one host'}; got "
+                             f"{ring} (world_size={world_size})")
+        if layout.hierarchical:
+            self._comm = hierarchy.HierarchicalComm(store, prefix, layout, _shm_bytes(),
+                                                    self._timeout_s, _cuda_buffer_bytes())
+        else:
+            tag = f"{os.getpid()}-{secrets.token_hex(4)}"
+            self._comm = _dist_C.Comm(rank, world_size, _shm_bytes(), self._timeout_s, tag,
+                                      _cuda_buffer_bytes())
+            try:
+                deadline = datetime.datetime.now() + datetime.timedelta(seconds=self._timeout_s)
+                store.set(f"{prefix}/name/{rank}", self._comm.name)
+                names = self._gather_keys(store, f"{prefix}/name", deadline, "join")
+                self._comm.attach([n.decode() for n in names])
+                store.set(f"{prefix}/mapped/{rank}", "1")
+                self._gather_keys(store, f"{prefix}/mapped", deadline, "map the shared memory")
+            except BaseException:
+                self._comm.close()
+                raise
+            self._comm.unlink()
+            if layout.nhosts > 1:
+                self._comm = hierarchy.FlatHostsComm(self._comm, layout)
         self._failure = None  # the first error the engine saw (the C++ group keeps its own)
         self._group_name = None
         self._group_desc = ""

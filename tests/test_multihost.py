@@ -1,0 +1,349 @@
+"""The "ringreduce" backend across several simulated hosts on one machine.
+
+Hosts come from RINGREDUCE_HOST_ID (spawned ranks) or from torchrun's GROUP_RANK (two torchrun
+launchers); the hosts share no shared-memory segment and meet only through gloo over TCP. Each
+spawned launch runs many checks inside its ranks (starting a rank costs a torch import).
+"""
+import hashlib
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from reference import ALL_DTYPES, _combine, assert_close_to_wide, random_inputs, valid_ops
+from ringreduce import hierarchy
+from test_distributed import init, run_ranks, values
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+REDUCE_OPS = {"sum": "SUM", "avg": "AVG", "max": "MAX", "min": "MIN", "prod": "PRODUCT"}
+SIZES = (0, 1, 7, 33, 1000, 4099)
+_SEGMENT = re.compile(r"/dev/shm/ringreduce-(\d+)-[0-9a-f]+-h(\d+)-r(\d+)")
+
+
+def hierarchical_model(inputs, op, hosts):
+    """The value every rank must hold, bit for bit: each host reduces its ranks' inputs in local
+    order (the shared-memory reduce-scatter's hops, avg as sum), then the host partials are
+    combined in host order in fp32 for 16-bit floats, rounded once (avg divides there)."""
+    dtype = inputs[0].dtype
+    partials = []
+    for ranks in hosts:
+        acc = inputs[ranks[0]].clone()
+        for r in ranks[1:]:
+            acc = _combine("sum" if op == "avg" else op, acc, inputs[r], dtype, False, len(ranks))
+        partials.append(acc)
+    out = torch.empty_like(partials[0])
+    hierarchy.fold(torch.stack(partials), op, len(inputs), out)
+    return out
+
+
+def _reduce_op(op):
+    return getattr(dist.ReduceOp, REDUCE_OPS[op])
+
+
+def _mapped_segments():
+    """(creator pid, host index) of every ringreduce segment this process has mapped."""
+    with open("/proc/self/maps") as f:
+        return sorted({(int(m.group(1)), int(m.group(2))) for m in _SEGMENT.finditer(f.read())})
+
+
+def _all_reduce_sweep(rank, world, hosts, dtypes, sizes, seed, extra=()):
+    """All-reduce of every dtype x op x size, then of each (dtype, op, size) in `extra`:
+    (problems, sha256 of every result)."""
+    problems, digest = [], hashlib.sha256()
+    cases = [(d, o, c) for d in dtypes for o in valid_ops(d) for c in sizes] + list(extra)
+    for case, (dtype, op, count) in enumerate(cases):
+        g = torch.Generator().manual_seed(seed + case)
+        inputs = random_inputs(world, count, dtype, op, generator=g)
+        first, second = inputs[rank].clone(), inputs[rank].clone()
+        dist.all_reduce(first, op=_reduce_op(op))
+        dist.all_reduce(second, op=_reduce_op(op))
+        name = f"{dtype} {op} n={count}"
+        if not torch.equal(first.view(torch.uint8), second.view(torch.uint8)):
+            problems.append(f"{name}: two identical calls differ")
+        if not torch.equal(first.view(torch.uint8),
+                           hierarchical_model(inputs, op, hosts).view(torch.uint8)):
+            problems.append(f"{name}: differs from the hierarchical model")
+        if count:
+            try:
+                assert_close_to_wide(first, inputs, op)
+            except AssertionError as exc:
+                problems.append(f"{name}: {exc}")
+        digest.update(first.view(torch.uint8).numpy().tobytes())
+    # NaN propagates through max and min across hosts too (gloo's own MAX would drop it).
+    for op in ("max", "min"):
+        t = torch.arange(8, dtype=torch.float32)
+        t[rank] = float("nan")
+        dist.all_reduce(t, op=_reduce_op(op))
+        if not bool(torch.isnan(t[:world]).all()) or bool(torch.isnan(t[world:]).any()):
+            problems.append(f"{op}: NaN did not propagate exactly: {t.tolist()}")
+    return problems, digest.hexdigest()
+
+
+def _small_net():
+    return torch.nn.Sequential(
+        torch.nn.Conv2d(1, 4, 3, padding=1), torch.nn.BatchNorm2d(4), torch.nn.ReLU(),
+        torch.nn.Flatten(), torch.nn.Linear(4 * 6 * 6, 5))
+
+
+def _ddp(rank, group, steps=4):
+    torch.manual_seed(1234 + rank)  # different initial weights: DDP must broadcast rank 0's
+    model = _small_net()
+    ddp = torch.nn.parallel.DistributedDataParallel(model, process_group=group,
+                                                    bucket_cap_mb=0.001)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.1, momentum=0.9)
+    g = torch.Generator().manual_seed(99 + rank)
+    for _ in range(steps):
+        x = torch.randn(8, 1, 6, 6, generator=g)
+        y = torch.randint(0, 5, (8,), generator=g)
+        opt.zero_grad()
+        torch.nn.functional.cross_entropy(ddp(x), y).backward()
+        opt.step()
+    return [p.detach().clone() for p in model.parameters()]
+
+
+# ---------------------------------------------------------------------------------------
+# Two hosts of two ranks: one launch, checked by the tests below.
+
+def _two_hosts(rank, world, store, hosts):
+    os.environ["RINGREDUCE_HOST_ID"] = "ab"[rank // 2]
+    init(rank, world, store)
+    pg = dist.group.WORLD
+    out = {"pid": os.getpid(), "segments": _mapped_segments(), "layout": pg._comm.layout.hosts,
+           "host": pg._comm.layout.host}
+    # Shards over 64 KiB go through the engine's all-to-all (and, for 32/64-bit sum, its
+    # all-reduce); the smaller ones through its all-gather.
+    large = [(torch.float32, "sum", 100000), (torch.float32, "max", 100000),
+             (torch.bfloat16, "avg", 100000), (torch.int8, "prod", 300000)]
+    out["problems"], out["digest"] = _all_reduce_sweep(rank, world, hosts, ALL_DTYPES, SIZES, 0,
+                                                       large)
+    problems = out["problems"]
+
+    before = hierarchy.inter_host_bytes(pg)
+    dist.all_reduce(torch.ones(1 << 16))
+    out["bytes"] = hierarchy.inter_host_bytes(pg) - before
+
+    m = 1031
+    for dtype, op in ((torch.float64, "sum"), (torch.int32, "prod"), (torch.float32, "avg"),
+                      (torch.float32, "max")):
+        g = torch.Generator().manual_seed(7)
+        full = [t.reshape(world, m) for t in random_inputs(world, world * m, dtype, op,
+                                                           generator=g)]
+        expect = hierarchical_model([f[rank] for f in full], op, hosts)
+        got = torch.full((m,), 7, dtype=dtype)
+        dist.reduce_scatter_tensor(got, full[rank].reshape(-1), op=_reduce_op(op))
+        got_list = torch.full((m,), 7, dtype=dtype)
+        dist.reduce_scatter(got_list, list(full[rank]), op=_reduce_op(op))
+        if not (torch.equal(got, expect) and torch.equal(got_list, expect)):
+            problems.append(f"reduce_scatter {dtype} {op} differs from the hierarchical model")
+    for count in (0, 3, 4099, 20000):
+        mine = torch.arange(count, dtype=torch.int64) + 1000 * rank
+        outs = [torch.full((count,), -1, dtype=torch.int64) for _ in range(world)]
+        dist.all_gather(outs, mine)
+        flat = torch.full((world * count,), -1, dtype=torch.int64)
+        dist.all_gather_into_tensor(flat, mine)
+        want = [torch.arange(count) + 1000 * r for r in range(world)]
+        if not all(torch.equal(o, w) for o, w in zip(outs, want)) or \
+                not torch.equal(flat, torch.cat(want)):
+            problems.append(f"all_gather n={count} wrong")
+    for root in range(world):
+        t = torch.full((5,), float(rank))
+        dist.broadcast(t, src=root)
+        if not torch.equal(t, torch.full((5,), float(root))):
+            problems.append(f"broadcast from {root} wrong")
+    t = torch.full((3,), float(rank + 1))
+    dist.reduce(t, dst=3)
+    if rank == 3 and not torch.equal(t, torch.full((3,), 10.0)):
+        problems.append("reduce wrong")
+    dist.barrier()
+    objs = [None] * world
+    dist.all_gather_object(objs, {"rank": rank})
+    if objs != [{"rank": r} for r in range(world)]:
+        problems.append("all_gather_object wrong")
+    pids = [None] * world
+    dist.all_gather_object(pids, os.getpid())
+    out["pids"] = pids
+
+    gloo = dist.new_group(backend="gloo")
+    ring, ref = _ddp(rank, None), _ddp(rank, gloo)
+    out["ddp_close"] = all(torch.allclose(a.double(), b.double(), rtol=1e-5, atol=1e-6)
+                           for a, b in zip(ring, ref))
+    out["ddp_digest"] = hashlib.sha256(b"".join(
+        p.view(torch.uint8).numpy().tobytes() for p in ring)).hexdigest()
+    dist.barrier()
+    dist.destroy_process_group()
+    return out
+
+
+@pytest.fixture(scope="module")
+def two_hosts(tmp_path_factory):
+    hosts = [[0, 1], [2, 3]]
+    return values(run_ranks(_two_hosts, 4, tmp_path_factory.mktemp("two_hosts"), hosts,
+                            env={"RINGREDUCE_SHM_BYTES": "8192"}))
+
+
+def test_two_hosts_all_reduce_every_dtype_and_op(two_hosts):
+    for rank, out in enumerate(two_hosts):
+        assert out["layout"] == [[0, 1], [2, 3]]
+        assert not out["problems"], f"rank {rank}:\n" + "\n".join(out["problems"])
+
+
+def test_two_hosts_bitwise_identical_on_every_rank(two_hosts):
+    assert len({out["digest"] for out in two_hosts}) == 1
+    assert len({out["ddp_digest"] for out in two_hosts}) == 1, "DDP replicas diverged"
+
+
+def test_two_hosts_ddp_close_to_gloo(two_hosts):
+    assert all(out["ddp_close"] for out in two_hosts)
+
+
+def test_inter_host_bytes_per_rank(two_hosts):
+    # 2 hosts of 2 ranks: each rank hands its shard, half the tensor, to the inter-host
+    # all-gather once: the model's 2*S*(H-1)/(H*L) = S/2.
+    for out in two_hosts:
+        assert out["bytes"] == 4 * (1 << 16) // 2
+
+
+def test_no_rank_maps_another_hosts_segment(two_hosts):
+    pids = two_hosts[0]["pids"]
+    for rank, out in enumerate(two_hosts):
+        own_host = [pids[r] for r in out["layout"][out["host"]]]
+        assert out["segments"], f"rank {rank} maps no segment (the test cannot see them)"
+        assert sorted(p for p, _ in out["segments"]) == sorted(own_host), out["segments"]
+        assert {h for _, h in out["segments"]} == {out["host"]}
+
+
+# ---------------------------------------------------------------------------------------
+# Uneven hosts, three hosts, a killed host, a host that never joins.
+
+def test_segments_map_shards_across_uneven_hosts():
+    lay = hierarchy.Layout(["a", "a", "a", "b"], 0, True)
+    assert lay.hierarchical and not lay.even and lay.hosts == [[0, 1, 2], [3]]
+    # 4-byte elements: host a cuts 100 elements at 36 and 72, host b not at all.
+    assert hierarchy.segments(lay, 100, 4) == [(0, 36, (0, 3)), (36, 72, (1, 3)),
+                                               (72, 100, (2, 3))]
+    lay = hierarchy.Layout(["a", "a", "a", "b", "b"], 4, True)
+    assert hierarchy.segments(lay, 100, 4) == [(0, 36, (0, 3)), (36, 52, (1, 3)),
+                                               (52, 72, (1, 4)), (72, 100, (2, 4))]
+    assert hierarchy.segments(lay, 0, 4) == []
+    assert not hierarchy.Layout(["x", "x"], 1, True).hierarchical
+
+
+def _uneven(rank, world, store, hosts, labels):
+    os.environ["RINGREDUCE_HOST_ID"] = labels[rank]
+    init(rank, world, store)
+    dtypes = (torch.float32, torch.bfloat16, torch.int64, torch.uint8)
+    problems, digest = _all_reduce_sweep(rank, world, hosts, dtypes, SIZES, 100)
+    m = 77
+    full = torch.arange(world * m, dtype=torch.float64).reshape(world, m) * (rank + 1)
+    got = torch.zeros(m)
+    dist.reduce_scatter_tensor(got, full.reshape(-1).float())
+    if not torch.equal(got, full[rank].float() / (rank + 1) * (world * (world + 1) // 2)):
+        problems.append("reduce_scatter wrong")
+    outs = [torch.zeros(5, dtype=torch.int32) for _ in range(world)]
+    dist.all_gather(outs, torch.full((5,), rank, dtype=torch.int32))
+    if [int(o[0]) for o in outs] != list(range(world)):
+        problems.append("all_gather wrong")
+    dist.barrier()
+    dist.destroy_process_group()
+    return problems, digest
+
+
+def test_uneven_hosts_3_and_1(tmp_path):
+    labels = "aaab"
+    out = values(run_ranks(_uneven, len(labels), tmp_path, [[0, 1, 2], [3]], labels))
+    for rank, (problems, _) in enumerate(out):
+        assert not problems, f"rank {rank}:\n" + "\n".join(problems)
+    assert len({d for _, d in out}) == 1
+
+
+FAULT_TIMEOUT = 8.0
+
+
+def _killed_host(rank, world, store):
+    # Three hosts, 'c' with two ranks: the shards are large enough for the all-to-all path.
+    os.environ["RINGREDUCE_HOST_ID"] = "abcc"[rank]
+    init(rank, world, store, timeout=FAULT_TIMEOUT)
+    g = torch.Generator().manual_seed(5)
+    inputs = random_inputs(world, 120000, torch.float32, "max", generator=g)
+    t = inputs[rank].clone()
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    exact = torch.equal(t, hierarchical_model(inputs, "max", [[0], [1], [2, 3]]))
+    t = torch.ones(1000)
+    if rank >= 2:
+        os.kill(os.getpid(), signal.SIGKILL)
+    time.sleep(0.5)
+    start = time.monotonic()
+    try:
+        dist.all_reduce(t)
+        return (exact, "no error", 0.0)
+    except RuntimeError as exc:
+        return (exact, str(exc), time.monotonic() - start)
+
+
+def test_killed_host_fails_the_others_naming_it(tmp_path):
+    results = run_ranks(_killed_host, 4, tmp_path)
+    assert results[2][0] == results[3][0] == "died"
+    for rank in (0, 1):
+        status, value = results[rank]
+        assert status == "ok", value
+        exact, msg, elapsed = value
+        assert exact, "three hosts: differs from the hierarchical model"
+        assert "host 'c'" in msg and "all_reduce" in msg, msg
+        assert elapsed < FAULT_TIMEOUT, f"took {elapsed:.1f} s: {msg}"
+        print(f"rank {rank} after {elapsed:.2f} s: {msg}")
+
+
+def _absent_node(rank, world, store):
+    os.environ.update(GROUP_RANK=str(rank // 2), LOCAL_WORLD_SIZE="2", WORLD_SIZE=str(world))
+    start = time.monotonic()
+    try:
+        init(rank, world, store, timeout=3.0)
+        return ("joined", 0.0)
+    except RuntimeError as exc:
+        return (str(exc), time.monotonic() - start)
+
+
+def test_node_that_never_joins_is_named(tmp_path):
+    for msg, elapsed in values(run_ranks(_absent_node, 4, tmp_path, start=[0, 1])):
+        assert "rank(s) 2, 3 did not join" in msg and "node 1 (GROUP_RANK=1" in msg, msg
+        assert elapsed < 3.0 + 5.0
+
+
+# ---------------------------------------------------------------------------------------
+# Two torchrun launchers (--nnodes 2 --nproc_per_node 2), rendezvous on 127.0.0.1.
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_two_torchrun_launchers(tmp_path):
+    port = _free_port()
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join(
+        [os.path.dirname(HERE), HERE, os.environ.get("PYTHONPATH", "")]))
+    env.pop("RINGREDUCE_HOST_ID", None)
+    launchers = [subprocess.Popen(
+        [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc_per_node", "2",
+         "--node_rank", str(node), "--master_addr", "127.0.0.1", "--master_port", str(port),
+         os.path.join(HERE, "multihost_worker.py"), str(tmp_path)],
+        env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        for node in (0, 1)]
+    logs = []
+    for p in launchers:
+        try:
+            logs.append(p.communicate(timeout=150)[0])
+        except subprocess.TimeoutExpired:
+            p.kill()
+            logs.append(p.communicate()[0])
+    assert all(p.returncode == 0 for p in launchers), "\n".join(logs)[-6000:]
+    reports = sorted(f.read_text() for f in tmp_path.glob("rank*.txt"))
+    assert len(reports) == 4, reports
+    assert len(set(reports)) == 1, reports

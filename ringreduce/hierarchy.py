@@ -225,9 +225,16 @@ def segments(layout, count, esize):
     return out
 
 
+_BITWISE = {"band": torch.bitwise_and, "bor": torch.bitwise_or, "bxor": torch.bitwise_xor}
+# Types whose two-operand sum and product the inter-host engine computes exactly as the fold.
+_ENGINE_TYPES = (torch.float32, torch.float64, torch.int32, torch.int64)
+
+
 def _combine(acc, x, op):
     """acc = op(acc, x) in the arithmetic type; NaN propagates through max and min as in the
-    ring (tests/reference.py)."""
+    ring (tests/reference.py). On bool, + is logical or and * logical and, as in torch."""
+    if op in _BITWISE:
+        return _BITWISE[op](acc, x, out=acc)
     if op in ("sum", "avg"):
         return acc.add_(x)
     if op == "prod":
@@ -249,7 +256,10 @@ def fold(rows, op, nranks, out):
     for row in rows[1:]:
         acc = _combine(acc, row.to(acc.dtype), op)
     if op == "avg":
-        acc.div_(nranks)
+        if acc.is_floating_point():
+            acc.div_(nranks)
+        else:  # NCCL's integer average: the wrapped sum divided toward zero
+            acc.copy_(torch.div(acc, nranks, rounding_mode="trunc"))
     if acc is not out:
         out.copy_(acc)
 
@@ -447,7 +457,7 @@ class HierarchicalComm:
 
     def _xhost_all_reduce(self, x, op, members):
         nh, world = len(members), self.layout.world_size
-        if nh == 2 and op in ("sum", "avg", "prod") and x.dtype not in _HALF:
+        if nh == 2 and op in ("sum", "avg", "prod") and x.dtype in _ENGINE_TYPES:
             # Two operands commute bit for bit (IEEE and wrapping integer + and *), so the
             # engine's own all-reduce gives exactly the host-order fold's bits, in one call and
             # without a separate fold pass.
@@ -455,7 +465,10 @@ class HierarchicalComm:
             opts.reduceOp = dist.ReduceOp.PRODUCT if op == "prod" else dist.ReduceOp.SUM
             self._xhost(members, x, "all_reduce", lambda g: g.allreduce([x], opts))
             if op == "avg":
-                x.div_(world)
+                if x.is_floating_point():
+                    x.div_(world)
+                else:
+                    x.copy_(torch.div(x, world, rounding_mode="trunc"))
             return
         if x.numel() * x.element_size() <= SMALL_SHARD_BYTES:
             rows = torch.empty(nh * x.numel(), dtype=x.dtype, device=x.device)

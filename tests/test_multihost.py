@@ -22,7 +22,8 @@ from ringreduce import hierarchy
 from test_distributed import init, run_ranks, values
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-REDUCE_OPS = {"sum": "SUM", "avg": "AVG", "max": "MAX", "min": "MIN", "prod": "PRODUCT"}
+REDUCE_OPS = {"sum": "SUM", "avg": "AVG", "max": "MAX", "min": "MIN", "prod": "PRODUCT",
+              "band": "BAND", "bor": "BOR", "bxor": "BXOR"}
 SIZES = (0, 1, 7, 33, 1000, 4099)
 _SEGMENT = re.compile(r"/dev/shm/ringreduce-(\d+)-[0-9a-f]+-h(\d+)-r(\d+)")
 

@@ -539,7 +539,7 @@ class RingReduceProcessGroup(_ProcessGroup):
         except ValueError:
             shown = str(getattr(reduce_op, "op", reduce_op)).rsplit(".", 1)[-1]
             raise ValueError(f"ringreduce {name}: reduce op {shown} is not supported "
-                             "(supported: SUM, AVG, MAX, MIN, PRODUCT)") from None
+                             "(supported: SUM, AVG, MAX, MIN, PRODUCT, BAND, BOR, BXOR)") from None
 
     @staticmethod
     def _run_contiguous(tensor, fn):

@@ -325,11 +325,11 @@ def _api_surface(rank, world, store):
             ("gather", lambda: dist.gather(torch.ones(1), [torch.ones(1)] * world
                                            if rank == 0 else None, dst=0)),
             ("all_to_all_single", lambda: dist.all_to_all_single(torch.ones(2), torch.ones(2))),
-            ("BAND", lambda: dist.all_reduce(torch.ones(2, dtype=torch.int32),
-                                             op=dist.ReduceOp.BAND)),
-            ("avg on int", lambda: dist.all_reduce(torch.ones(2, dtype=torch.int32),
-                                                   op=dist.ReduceOp.AVG)),
-            ("bool", lambda: dist.all_reduce(torch.ones(2, dtype=torch.bool)))):
+            ("PREMUL_SUM", lambda: dist.all_reduce(
+                torch.ones(2), op=dist._make_nccl_premul_sum(2.0))),
+            ("band on float", lambda: dist.all_reduce(torch.ones(2), op=dist.ReduceOp.BAND)),
+            ("avg on bool", lambda: dist.all_reduce(torch.ones(2, dtype=torch.bool),
+                                                    op=dist.ReduceOp.AVG))):
         try:
             call()
             errors[name] = None
@@ -347,9 +347,11 @@ def test_backend_spec_and_unsupported(tmp_path):
         assert "'send'" in errors["send"] and "not supported" in errors["send"]
         assert "'gather'" in errors["gather"]
         assert "'all_to_all_single'" in errors["all_to_all_single"]
-        assert errors["BAND"].startswith("ValueError") and "BAND" in errors["BAND"]
-        assert errors["avg on int"].startswith("TypeError") and "avg" in errors["avg on int"]
-        assert errors["bool"].startswith("TypeError") and "dtype" in errors["bool"]
+        assert errors["PREMUL_SUM"].startswith("ValueError"), errors["PREMUL_SUM"]
+        assert "PREMUL_SUM" in errors["PREMUL_SUM"], errors["PREMUL_SUM"]
+        assert errors["band on float"].startswith("TypeError"), errors["band on float"]
+        assert "band" in errors["band on float"], errors["band on float"]
+        assert errors["avg on bool"].startswith("TypeError"), errors["avg on bool"]
 
 
 # ---------------------------------------------------------------------------------------

@@ -1,11 +1,13 @@
 // Thin torch binding: validate every argument (naming it and the rule) before anything is
-// modified, then hand raw pointers to the torch-free executors in csrc/ring/.
+// modified, then hand raw pointers to the torch-free plans and executors in csrc/ring/.
 #include <torch/extension.h>
 
+#include <optional>
 #include <string>
 #include <vector>
 
 #include "ring/cpu_executor.h"
+#include "ring/plan.h"
 #include "ring/types.h"
 #include "torch_types.h"
 
@@ -21,74 +23,188 @@
 
 namespace {
 
-struct Validated {
-  rr::DType dtype;
-  rr::Op op;
-  int64_t count;
-  bool cuda;
-};
+using Streams = std::vector<std::optional<c10::Stream>>;
 
-Validated validate(const std::vector<at::Tensor>& tensors, const std::string& op_name) {
-  TORCH_CHECK_VALUE(!tensors.empty(),
-                    "ringreduce.all_reduce: tensors must hold one tensor per rank; got none");
-  rr::Op op;
-  TORCH_CHECK_VALUE(rr::op_from_name(op_name, &op), "ringreduce.all_reduce: op must be one of "
-                    "sum, avg, max, min, prod; got '", op_name, "'");
+std::string item(const std::string& list, size_t i) {
+  return list + "[" + std::to_string(i) + "]";
+}
+
+void check_dense(const std::string& fn, const std::string& name, const at::Tensor& t) {
+  TORCH_CHECK_VALUE(t.defined(), fn, ": ", name, " is undefined");
+  TORCH_CHECK_VALUE(t.layout() == at::kStrided, fn, ": ", name, " has layout ", t.layout(),
+                    "; only dense (strided) tensors are supported");
+}
+
+// `written`: the call writes the tensor, so a contiguous copy would not be the one read after.
+void check_contiguous(const std::string& fn, const std::string& name, const at::Tensor& t,
+                      bool written) {
+  TORCH_CHECK_VALUE(t.is_contiguous(), fn, ": ", name, " is not contiguous; call "
+                    ".contiguous() on it first",
+                    written ? " (the result is written in place, so pass the tensor you will "
+                              "read)" : "");
+}
+
+// One tensor per rank: same shape, dtype and device type, dense and contiguous, cpu or cuda.
+void check_ranks(const std::string& fn, const std::string& list,
+                 const std::vector<at::Tensor>& tensors, bool written) {
+  TORCH_CHECK_VALUE(!tensors.empty(), fn, ": ", list, " must hold one tensor per rank; got none");
   const at::Tensor& t0 = tensors[0];
   for (size_t i = 0; i < tensors.size(); ++i) {
     const at::Tensor& t = tensors[i];
-    TORCH_CHECK_VALUE(t.defined(), "ringreduce.all_reduce: tensors[", i, "] is undefined");
-    TORCH_CHECK_VALUE(t.layout() == at::kStrided, "ringreduce.all_reduce: tensors[", i,
-                      "] has layout ", t.layout(), "; only dense (strided) tensors are supported");
-    TORCH_CHECK_VALUE(t.device().type() == t0.device().type(), "ringreduce.all_reduce: all "
-                      "tensors must be on the same device type; tensors[0] is on ", t0.device(),
-                      " but tensors[", i, "] is on ", t.device());
-    TORCH_CHECK_VALUE(t.is_cpu() || t.is_cuda(), "ringreduce.all_reduce: tensors[", i,
-                      "] is on ", t.device(), "; only cpu and cuda tensors are supported");
-    TORCH_CHECK_TYPE(t.scalar_type() == t0.scalar_type(), "ringreduce.all_reduce: all tensors "
-                     "must have the same dtype; tensors[0] is ", t0.scalar_type(),
-                     " but tensors[", i, "] is ", t.scalar_type());
-    TORCH_CHECK_VALUE(t.sizes() == t0.sizes(), "ringreduce.all_reduce: all tensors must have the "
-                      "same shape; tensors[0] has shape ", t0.sizes(), " but tensors[", i,
-                      "] has shape ", t.sizes());
-    TORCH_CHECK_VALUE(t.is_contiguous(), "ringreduce.all_reduce: tensors[", i,
-                      "] is not contiguous; call .contiguous() on it first (the result is "
-                      "written in place, so pass the tensor you will read)");
+    check_dense(fn, item(list, i), t);
+    TORCH_CHECK_VALUE(t.device().type() == t0.device().type(), fn, ": all ", list, " must be "
+                      "on the same device type; ", list, "[0] is on ", t0.device(), " but ",
+                      item(list, i), " is on ", t.device());
+    TORCH_CHECK_VALUE(t.is_cpu() || t.is_cuda(), fn, ": ", item(list, i), " is on ",
+                      t.device(), "; only cpu and cuda tensors are supported");
+    TORCH_CHECK_TYPE(t.scalar_type() == t0.scalar_type(), fn, ": all ", list, " must have the "
+                     "same dtype; ", list, "[0] is ", t0.scalar_type(), " but ", item(list, i),
+                     " is ", t.scalar_type());
+    TORCH_CHECK_VALUE(t.sizes() == t0.sizes(), fn, ": all ", list, " must have the same shape; ",
+                      list, "[0] has shape ", t0.sizes(), " but ", item(list, i), " has shape ",
+                      t.sizes());
+    check_contiguous(fn, item(list, i), t, written);
   }
+}
+
+rr::DType check_dtype(const std::string& fn, const std::string& list, const at::Tensor& t0) {
   rr::DType dtype;
-  TORCH_CHECK_TYPE(rr::from_torch(t0.scalar_type(), &dtype), "ringreduce.all_reduce: tensors "
-                   "have dtype ", t0.scalar_type(), ", which is not supported (supported: ",
+  TORCH_CHECK_TYPE(rr::from_torch(t0.scalar_type(), &dtype), fn, ": ", list, " have dtype ",
+                   t0.scalar_type(), ", which is not supported (supported: ",
                    rr::kSupportedDtypes, ")");
-  TORCH_CHECK_TYPE(op != rr::Op::Avg || rr::is_floating(dtype), "ringreduce.all_reduce: op "
-                   "'avg' needs a floating-point dtype; got ", t0.scalar_type(),
+  return dtype;
+}
+
+rr::Op check_op(const std::string& fn, const std::string& op_name, rr::DType dtype) {
+  rr::Op op;
+  TORCH_CHECK_VALUE(rr::op_from_name(op_name, &op), fn, ": op must be one of sum, avg, max, "
+                    "min, prod; got '", op_name, "'");
+  TORCH_CHECK_TYPE(op != rr::Op::Avg || rr::is_floating(dtype), fn, ": op 'avg' needs a "
+                   "floating-point dtype; got ", rr::dtype_name(dtype),
                    " (use 'sum' and divide, or convert first)");
-  const int64_t nbytes = t0.numel() * t0.element_size();
-  for (size_t i = 0; i < tensors.size(); ++i) {
-    for (size_t j = i + 1; j < tensors.size(); ++j) {
-      if (tensors[i].device() != tensors[j].device() || nbytes == 0) continue;
-      const auto a = reinterpret_cast<uintptr_t>(tensors[i].data_ptr());
-      const auto b = reinterpret_cast<uintptr_t>(tensors[j].data_ptr());
-      TORCH_CHECK_VALUE(a + nbytes <= b || b + nbytes <= a, "ringreduce.all_reduce: tensors[", i,
-                        "] and tensors[", j, "] overlap in memory (the same tensor twice, or "
-                        "views of one buffer); every rank needs its own buffer");
+  return op;
+}
+
+// `out` receives rank data of `in` (the rank's tensor in the list): same device and dtype,
+// dense, contiguous, `numel` elements (any shape, as torch.cuda.nccl).
+void check_output(const std::string& fn, const std::string& name, const at::Tensor& out,
+                  const std::string& in_name, const at::Tensor& in, int64_t numel) {
+  check_dense(fn, name, out);
+  TORCH_CHECK_VALUE(out.device() == in.device(), fn, ": ", name, " must be on the device of ",
+                    in_name, " (", in.device(), "); got ", out.device());
+  TORCH_CHECK_TYPE(out.scalar_type() == in.scalar_type(), fn, ": ", name, " must have the "
+                   "dtype of ", in_name, " (", in.scalar_type(), "); got ", out.scalar_type());
+  TORCH_CHECK_VALUE(out.numel() == numel, fn, ": ", name, " must have ", numel, " elements; "
+                    "got ", out.numel(), " (shape ", out.sizes(), ")");
+  check_contiguous(fn, name, out, true);
+}
+
+void check_outputs(const std::string& fn, const std::vector<at::Tensor>& outputs,
+                   const std::string& in_list, const std::vector<at::Tensor>& inputs,
+                   int64_t numel) {
+  TORCH_CHECK_VALUE(outputs.size() == inputs.size(), fn, ": outputs must hold one tensor per "
+                    "rank, as many as ", in_list, " (", inputs.size(), "); got ", outputs.size());
+  for (size_t i = 0; i < outputs.size(); ++i) {
+    check_output(fn, item("outputs", i), outputs[i], item(in_list, i), inputs[i], numel);
+  }
+}
+
+int check_root(const std::string& fn, int64_t root, size_t nranks) {
+  TORCH_CHECK_VALUE(root >= 0 && root < int64_t(nranks), fn, ": root must be a rank in [0, ",
+                    nranks, "); got ", root);
+  return int(root);
+}
+
+// A buffer the call reads or writes, for the overlap check.
+struct Region {
+  std::string name;
+  at::Device device;
+  uintptr_t lo, hi;
+};
+
+Region region(const std::string& name, const at::Tensor& t) {
+  const auto lo = reinterpret_cast<uintptr_t>(t.data_ptr());
+  return Region{name, t.device(), lo, lo + uintptr_t(t.numel() * t.element_size())};
+}
+
+// Region `a` may coincide exactly with the part of region `b` that starts at `b_lo` (in place).
+struct Alias {
+  size_t a, b;
+  uintptr_t b_lo;
+};
+
+void check_disjoint(const std::string& fn, const std::vector<Region>& regions,
+                    const std::vector<Alias>& aliases, const char* in_place_hint) {
+  for (size_t i = 0; i < regions.size(); ++i) {
+    for (size_t j = i + 1; j < regions.size(); ++j) {
+      const Region& a = regions[i];
+      const Region& b = regions[j];
+      if (a.device != b.device || a.lo == a.hi || b.lo == b.hi) continue;
+      if (a.hi <= b.lo || b.hi <= a.lo) continue;
+      bool allowed = false;
+      for (const Alias& al : aliases) {
+        if ((al.a == i && al.b == j) || (al.a == j && al.b == i)) {
+          allowed = allowed || regions[al.a].lo == al.b_lo;
+        }
+      }
+      TORCH_CHECK_VALUE(allowed, fn, ": ", a.name, " and ", b.name, " overlap in memory (the "
+                        "same tensor twice, or views of one buffer); every rank needs its own "
+                        "buffer", in_place_hint);
     }
   }
-  const bool cuda = t0.is_cuda();
+}
+
+void check_device_support(const std::string& fn, const std::vector<at::Tensor>& tensors) {
+  const bool cuda = tensors[0].is_cuda();
 #ifdef RINGREDUCE_WITH_CUDA
   if (cuda) {
-    TORCH_CHECK(tensors.size() <= size_t(rr::cuda::kMaxRanks), "ringreduce.all_reduce: at most ",
+    TORCH_CHECK(tensors.size() <= size_t(rr::cuda::kMaxRanks), fn, ": at most ",
                 rr::cuda::kMaxRanks, " ranks are supported on CUDA; got ", tensors.size());
     for (const at::Tensor& t : tensors) rr::cuda::check_device_supported(t.get_device());
   }
 #else
-  TORCH_CHECK(!cuda, "ringreduce.all_reduce: tensors are on ", t0.device(), " but this "
-              "ringreduce build has no CUDA support (built CPU-only: torch without CUDA, nvcc "
-              "not found, or RINGREDUCE_FORCE_CPU=1); reinstall on a machine with nvcc");
+  TORCH_CHECK(!cuda, fn, ": tensors are on ", tensors[0].device(), " but this ringreduce build "
+              "has no CUDA support (built CPU-only: torch without CUDA, nvcc not found, or "
+              "RINGREDUCE_FORCE_CPU=1); reinstall on a machine with nvcc");
 #endif
-  return Validated{dtype, op, t0.numel(), cuda};
 }
 
-// The in-place write goes around autograd: tell it, as a torch in-place op would, so a tensor
+// streams: empty (each device's current stream), or one per rank, each None (the current
+// stream of the rank's device) or a CUDA stream on the rank's device. Ranks that share a device
+// run in one kernel per step, so they must resolve to the same stream.
+void check_streams(const std::string& fn, const Streams& streams,
+                   const std::vector<at::Tensor>& ranks, const std::string& list) {
+  if (streams.empty()) return;
+  TORCH_CHECK_VALUE(streams.size() == ranks.size(), fn, ": streams must hold one stream (or "
+                    "None) per rank, as many as ", list, " (", ranks.size(), "); got ",
+                    streams.size());
+  for (size_t i = 0; i < streams.size(); ++i) {
+    if (!streams[i]) continue;
+    TORCH_CHECK_VALUE(ranks[i].is_cuda(), fn, ": ", item("streams", i), " is given but ",
+                      item(list, i), " is on ", ranks[i].device(), "; streams apply to CUDA "
+                      "tensors only (pass None)");
+    TORCH_CHECK_VALUE(streams[i]->device() == ranks[i].device(), fn, ": ", item("streams", i),
+                      " is on ", streams[i]->device(), " but ", item(list, i), " is on ",
+                      ranks[i].device());
+  }
+#ifdef RINGREDUCE_WITH_CUDA
+  auto resolve = [&](size_t i) {
+    return streams[i] ? c10::cuda::CUDAStream(*streams[i])
+                      : c10::cuda::getCurrentCUDAStream(ranks[i].device().index());
+  };
+  for (size_t i = 0; i < ranks.size(); ++i) {
+    for (size_t j = i + 1; j < ranks.size(); ++j) {
+      if (ranks[i].device() != ranks[j].device()) continue;
+      TORCH_CHECK_VALUE(resolve(i) == resolve(j), fn, ": ", item("streams", i), " and ",
+                        item("streams", j), " name different streams but ", item(list, i),
+                        " and ", item(list, j), " share ", ranks[i].device(), "; ranks on one "
+                        "device run on one stream (None means the device's current stream)");
+    }
+  }
+#endif
+}
+
+// The in-place writes go around autograd: tell it, as a torch in-place op would, so a tensor
 // saved for backward is reported as modified instead of silently used.
 void bump_versions(const std::vector<at::Tensor>& tensors) {
   for (const at::Tensor& t : tensors) {
@@ -96,65 +212,257 @@ void bump_versions(const std::vector<at::Tensor>& tensors) {
   }
 }
 
+std::vector<void*> pointers(const std::vector<at::Tensor>& tensors) {
+  std::vector<void*> out;
+  for (const at::Tensor& t : tensors) out.push_back(t.data_ptr());
+  return out;
+}
+
+// Scratch buffers for the partial results of ranks whose inputs must stay unchanged.
+std::vector<at::Tensor> workspaces(const std::vector<at::Tensor>& inputs, int skip) {
+  std::vector<at::Tensor> work;
+  for (size_t r = 0; r < inputs.size(); ++r) {
+    work.push_back(int(r) == skip ? at::Tensor() : at::empty_like(inputs[r]));
+  }
+  return work;
+}
+
+void check_transport(const std::string& fn, const std::string& transport) {
+  TORCH_CHECK_VALUE(transport == "p2p" || transport == "copy", fn, ": transport "
+                    "(RINGREDUCE_TRANSPORT) must be 'p2p' or 'copy'; got '", transport, "'");
+}
+
+// Runs a validated plan. `ranks` holds a tensor per rank (its device is the rank's device),
+// `touched` every tensor the plan reads or writes, `written` those whose values change.
 // Returns the neighbour pairs that had to be staged (no peer access); empty on CPU.
 // transport: "p2p" (kernels read the neighbour's memory where peer access allows) or "copy"
 // (every hop through cudaMemcpyPeerAsync, to test and measure that path on one GPU).
-std::vector<std::string> all_reduce(const std::vector<at::Tensor>& tensors,
-                                    const std::string& op_name, const std::string& transport) {
-  TORCH_CHECK_VALUE(transport == "p2p" || transport == "copy", "ringreduce.all_reduce: "
-                    "transport (RINGREDUCE_TRANSPORT) must be 'p2p' or 'copy'; got '", transport,
-                    "'");
-  const Validated v = validate(tensors, op_name);
-  const int nranks = int(tensors.size());
-  if (nranks == 1 || v.count == 0) return {};
-  if (!v.cuda) {
-    std::vector<void*> bufs;
-    for (const at::Tensor& t : tensors) bufs.push_back(t.data_ptr());
+std::vector<std::string> execute(const rr::Plan& plan, rr::DType dtype, rr::Op op,
+                                 const std::vector<at::Tensor>& ranks,
+                                 const std::vector<at::Tensor>& touched,
+                                 const std::vector<at::Tensor>& written, const Streams& streams,
+                                 const std::string& transport) {
+  const int nranks = int(ranks.size());
+  if (plan.empty()) return {};
+  if (!ranks[0].is_cuda()) {
     {
       pybind11::gil_scoped_release no_gil;
-      rr::cpu::all_reduce(bufs.data(), nranks, v.count, v.dtype, v.op);
+      rr::cpu::run(plan, dtype, op, nranks);
     }
-    bump_versions(tensors);
+    bump_versions(written);
     return {};
   }
 #ifdef RINGREDUCE_WITH_CUDA
   // Restores the caller's device without creating a context on a device it never used.
-  c10::cuda::CUDAGuard device_guard(tensors[0].device());
+  c10::cuda::CUDAGuard device_guard(ranks[0].device());
   for (int r = 0; r < nranks; ++r) {
-    const auto rd = tensors[r].device().index();
-    const auto pd = tensors[(r + nranks - 1) % nranks].device().index();
+    const auto rd = ranks[r].device().index();
+    const auto pd = ranks[(r + nranks - 1) % nranks].device().index();
     // Through torch, so its allocator also maps expandable segments / memory pools for the
     // peer; the executor then finds access already enabled (or stages the pair).
     if (rd != pd) at::cuda::get_p2p_access(rd, pd);
   }
-  std::vector<rr::cuda::RankBuffer> bufs;
-  std::vector<rr::cuda::DeviceStream> streams;
-  for (const at::Tensor& t : tensors) {
-    const int dev = t.get_device();
-    bufs.push_back(rr::cuda::RankBuffer{t.data_ptr(), dev});
+  std::vector<int> rank_device;
+  std::vector<rr::cuda::DeviceStream> device_streams;
+  std::vector<c10::cuda::CUDAStream> stream_of_rank;
+  for (int r = 0; r < nranks; ++r) {
+    const int dev = ranks[r].get_device();
+    rank_device.push_back(dev);
+    stream_of_rank.push_back(!streams.empty() && streams[r]
+                                 ? c10::cuda::CUDAStream(*streams[r])
+                                 : c10::cuda::getCurrentCUDAStream(
+                                       static_cast<c10::DeviceIndex>(dev)));
     bool seen = false;
-    for (const auto& s : streams) seen = seen || s.device == dev;
-    if (!seen) {
-      streams.push_back(rr::cuda::DeviceStream{
-          dev, c10::cuda::getCurrentCUDAStream(static_cast<c10::DeviceIndex>(dev)).stream()});
+    for (const auto& s : device_streams) seen = seen || s.device == dev;
+    if (!seen) device_streams.push_back(rr::cuda::DeviceStream{dev, stream_of_rank[r].stream()});
+  }
+  // Each buffer is last touched on its own device's stream (the exit barrier orders every
+  // neighbour's reads before it); telling the caching allocator keeps a tensor the caller
+  // drops right away (and the workspaces, dropped on return) from being handed out before that
+  // stream reaches this point, even if the tensor was allocated on another stream.
+  for (const at::Tensor& t : touched) {
+    for (int r = 0; r < nranks; ++r) {
+      if (rank_device[r] == t.get_device()) {
+        c10::cuda::CUDACachingAllocator::recordStream(t.storage().data_ptr(), stream_of_rank[r]);
+        break;
+      }
     }
   }
-  // Each buffer is last touched on its own device's current stream (the exit barrier orders
-  // every neighbour's reads before it); telling the caching allocator keeps a tensor the
-  // caller drops right away from being handed out before that stream reaches this point, even
-  // if the tensor was allocated on another stream.
-  for (const at::Tensor& t : tensors) {
-    c10::cuda::CUDACachingAllocator::recordStream(
-        t.storage().data_ptr(),
-        c10::cuda::getCurrentCUDAStream(static_cast<c10::DeviceIndex>(t.get_device())));
-  }
-  auto staged = rr::cuda::all_reduce(bufs.data(), nranks, v.count, v.dtype, v.op,
-                                     streams.data(), int(streams.size()), transport == "copy");
-  bump_versions(tensors);
+  auto staged = rr::cuda::run(plan, rank_device.data(), nranks, dtype, op, device_streams.data(),
+                              int(device_streams.size()), transport == "copy");
+  bump_versions(written);
   return staged;
 #else
   return {};
 #endif
+}
+
+std::vector<at::Tensor> defined(std::vector<at::Tensor> tensors) {
+  std::vector<at::Tensor> out;
+  for (at::Tensor& t : tensors) {
+    if (t.defined()) out.push_back(std::move(t));
+  }
+  return out;
+}
+
+std::vector<at::Tensor> concat(std::vector<at::Tensor> a, const std::vector<at::Tensor>& b) {
+  a.insert(a.end(), b.begin(), b.end());
+  return defined(std::move(a));
+}
+
+// outputs empty: in place. Otherwise outputs[r] may be tensors[r] itself (in place for that
+// rank) and must not overlap anything else.
+std::vector<std::string> all_reduce(const std::vector<at::Tensor>& tensors,
+                                    const std::vector<at::Tensor>& outputs,
+                                    const std::string& op_name, const Streams& streams,
+                                    const std::string& transport) {
+  const std::string fn = "ringreduce.all_reduce";
+  check_transport(fn, transport);
+  check_ranks(fn, "tensors", tensors, outputs.empty());
+  const rr::DType dtype = check_dtype(fn, "tensors", tensors[0]);
+  const rr::Op op = check_op(fn, op_name, dtype);
+  const bool in_place = outputs.empty();
+  if (!in_place) check_outputs(fn, outputs, "tensors", tensors, tensors[0].numel());
+  std::vector<Region> regions;
+  std::vector<Alias> aliases;
+  for (size_t i = 0; i < tensors.size(); ++i) regions.push_back(region(item("tensors", i), tensors[i]));
+  for (size_t i = 0; i < outputs.size(); ++i) {
+    regions.push_back(region(item("outputs", i), outputs[i]));
+    aliases.push_back(Alias{tensors.size() + i, i, regions[i].lo});
+  }
+  check_disjoint(fn, regions, aliases, in_place ? "" : " (outputs[i] may be tensors[i] itself)");
+  check_device_support(fn, tensors);
+  check_streams(fn, streams, tensors, "tensors");
+
+  const std::vector<at::Tensor>& out = in_place ? tensors : outputs;
+  const std::vector<void*> in_ptrs = pointers(tensors), out_ptrs = pointers(out);
+  const rr::Plan plan = rr::all_reduce_plan(in_ptrs.data(), out_ptrs.data(), int(tensors.size()),
+                                            tensors[0].numel(), tensors[0].element_size());
+  return execute(plan, dtype, op, tensors, concat(tensors, outputs), out, streams, transport);
+}
+
+std::vector<std::string> reduce(const std::vector<at::Tensor>& inputs,
+                                const std::optional<at::Tensor>& output_arg, int64_t root_arg,
+                                const std::string& op_name, const Streams& streams,
+                                const std::string& transport) {
+  const std::string fn = "ringreduce.reduce";
+  check_transport(fn, transport);
+  check_ranks(fn, "inputs", inputs, false);
+  const int root = check_root(fn, root_arg, inputs.size());
+  const rr::DType dtype = check_dtype(fn, "inputs", inputs[0]);
+  const rr::Op op = check_op(fn, op_name, dtype);
+  const at::Tensor output = output_arg ? *output_arg : inputs[size_t(root)];
+  check_output(fn, "output", output, item("inputs", size_t(root)), inputs[size_t(root)],
+               inputs[0].numel());
+  std::vector<Region> regions;
+  for (size_t i = 0; i < inputs.size(); ++i) regions.push_back(region(item("inputs", i), inputs[i]));
+  regions.push_back(region("output", output));
+  check_disjoint(fn, regions, {Alias{inputs.size(), size_t(root), regions[size_t(root)].lo}},
+                 " (output may be inputs[root] itself)");
+  check_device_support(fn, inputs);
+  check_streams(fn, streams, inputs, "inputs");
+
+  const std::vector<at::Tensor> work = workspaces(inputs, root);
+  const std::vector<void*> in_ptrs = pointers(inputs);
+  std::vector<void*> work_ptrs;
+  for (const at::Tensor& w : work) work_ptrs.push_back(w.defined() ? w.data_ptr() : nullptr);
+  const rr::Plan plan = rr::reduce_plan(in_ptrs.data(), output.data_ptr(), work_ptrs.data(), root,
+                                        int(inputs.size()), inputs[0].numel(),
+                                        inputs[0].element_size());
+  return execute(plan, dtype, op, inputs, concat(concat(inputs, {output}), work), {output},
+                 streams, transport);
+}
+
+std::vector<std::string> broadcast(const std::vector<at::Tensor>& tensors, int64_t root_arg,
+                                   const Streams& streams, const std::string& transport) {
+  const std::string fn = "ringreduce.broadcast";
+  check_transport(fn, transport);
+  check_ranks(fn, "inputs", tensors, true);
+  const int root = check_root(fn, root_arg, tensors.size());
+  const rr::DType dtype = check_dtype(fn, "inputs", tensors[0]);
+  std::vector<Region> regions;
+  for (size_t i = 0; i < tensors.size(); ++i) regions.push_back(region(item("inputs", i), tensors[i]));
+  check_disjoint(fn, regions, {}, "");
+  check_device_support(fn, tensors);
+  check_streams(fn, streams, tensors, "inputs");
+
+  std::vector<at::Tensor> written;
+  for (size_t r = 0; r < tensors.size(); ++r) {
+    if (int(r) != root) written.push_back(tensors[r]);
+  }
+  const std::vector<void*> ptrs = pointers(tensors);
+  const rr::Plan plan = rr::broadcast_plan(ptrs.data(), root, int(tensors.size()),
+                                           tensors[0].numel(), tensors[0].element_size());
+  return execute(plan, dtype, rr::Op::Sum, tensors, tensors, written, streams, transport);
+}
+
+// Regions of inputs then outputs; inputs[r] may be block r of outputs[r] (in place, as NCCL).
+void check_block_disjoint(const std::string& fn, const std::vector<at::Tensor>& inputs,
+                          const std::vector<at::Tensor>& outputs, int64_t block_bytes,
+                          bool input_is_block) {
+  std::vector<Region> regions;
+  std::vector<Alias> aliases;
+  const size_t n = inputs.size();
+  for (size_t i = 0; i < n; ++i) regions.push_back(region(item("inputs", i), inputs[i]));
+  for (size_t i = 0; i < n; ++i) regions.push_back(region(item("outputs", i), outputs[i]));
+  for (size_t i = 0; i < n; ++i) {
+    // all_gather: inputs[i] may be block i of outputs[i]; reduce_scatter: the other way round.
+    const size_t block = input_is_block ? i : n + i, whole = input_is_block ? n + i : i;
+    aliases.push_back(Alias{block, whole, regions[whole].lo + uintptr_t(int64_t(i) * block_bytes)});
+  }
+  check_disjoint(fn, regions, aliases, input_is_block
+                     ? " (inputs[i] may be block i of outputs[i] itself)"
+                     : " (outputs[i] may be block i of inputs[i] itself)");
+}
+
+std::vector<std::string> all_gather(const std::vector<at::Tensor>& inputs,
+                                    const std::vector<at::Tensor>& outputs,
+                                    const Streams& streams, const std::string& transport) {
+  const std::string fn = "ringreduce.all_gather";
+  check_transport(fn, transport);
+  check_ranks(fn, "inputs", inputs, false);
+  const rr::DType dtype = check_dtype(fn, "inputs", inputs[0]);
+  const int64_t count = inputs[0].numel();
+  const int nranks = int(inputs.size());
+  check_outputs(fn, outputs, "inputs", inputs, count * nranks);
+  check_block_disjoint(fn, inputs, outputs, count * inputs[0].element_size(), true);
+  check_device_support(fn, inputs);
+  check_streams(fn, streams, inputs, "inputs");
+
+  const std::vector<void*> in_ptrs = pointers(inputs), out_ptrs = pointers(outputs);
+  const rr::Plan plan = rr::all_gather_plan(in_ptrs.data(), out_ptrs.data(), nranks, count,
+                                            inputs[0].element_size());
+  return execute(plan, dtype, rr::Op::Sum, inputs, concat(inputs, outputs), outputs, streams,
+                 transport);
+}
+
+std::vector<std::string> reduce_scatter(const std::vector<at::Tensor>& inputs,
+                                        const std::vector<at::Tensor>& outputs,
+                                        const std::string& op_name, const Streams& streams,
+                                        const std::string& transport) {
+  const std::string fn = "ringreduce.reduce_scatter";
+  check_transport(fn, transport);
+  check_ranks(fn, "inputs", inputs, false);
+  const rr::DType dtype = check_dtype(fn, "inputs", inputs[0]);
+  const rr::Op op = check_op(fn, op_name, dtype);
+  const int nranks = int(inputs.size());
+  const int64_t count = inputs[0].numel() / nranks;
+  TORCH_CHECK_VALUE(inputs[0].numel() % nranks == 0, fn, ": every input must hold one block "
+                    "per rank (a multiple of ", nranks, " elements); inputs[0] has ",
+                    inputs[0].numel());
+  check_outputs(fn, outputs, "inputs", inputs, count);
+  check_block_disjoint(fn, inputs, outputs, count * inputs[0].element_size(), false);
+  check_device_support(fn, inputs);
+  check_streams(fn, streams, inputs, "inputs");
+
+  const std::vector<at::Tensor> work = workspaces(inputs, nranks == 1 ? 0 : -1);
+  const std::vector<void*> in_ptrs = pointers(inputs), out_ptrs = pointers(outputs);
+  std::vector<void*> work_ptrs;
+  for (const at::Tensor& w : work) work_ptrs.push_back(w.defined() ? w.data_ptr() : nullptr);
+  const rr::Plan plan = rr::reduce_scatter_plan(in_ptrs.data(), out_ptrs.data(), work_ptrs.data(),
+                                                nranks, count, inputs[0].element_size());
+  return execute(plan, dtype, op, inputs, concat(concat(inputs, outputs), work), outputs,
+                 streams, transport);
 }
 
 pybind11::dict build_info() {
@@ -194,10 +502,20 @@ pybind11::dict peer_access() {
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.doc() = "ringreduce: ring all-reduce executors (internal; use ringreduce.all_reduce)";
-  m.def("all_reduce", &all_reduce, pybind11::arg("tensors"), pybind11::arg("op"),
-        pybind11::arg("transport"),
-        "Validated in-place ring all-reduce. Returns the neighbour pairs staged without P2P.");
+  m.doc() = "ringreduce: ring collectives over one tensor per rank (internal; use ringreduce.*)";
+  // Each validates every argument before anything is modified and returns the neighbour pairs
+  // staged without P2P.
+  m.def("all_reduce", &all_reduce, pybind11::arg("tensors"), pybind11::arg("outputs"),
+        pybind11::arg("op"), pybind11::arg("streams"), pybind11::arg("transport"));
+  m.def("reduce", &reduce, pybind11::arg("inputs"), pybind11::arg("output"),
+        pybind11::arg("root"), pybind11::arg("op"), pybind11::arg("streams"),
+        pybind11::arg("transport"));
+  m.def("broadcast", &broadcast, pybind11::arg("inputs"), pybind11::arg("root"),
+        pybind11::arg("streams"), pybind11::arg("transport"));
+  m.def("all_gather", &all_gather, pybind11::arg("inputs"), pybind11::arg("outputs"),
+        pybind11::arg("streams"), pybind11::arg("transport"));
+  m.def("reduce_scatter", &reduce_scatter, pybind11::arg("inputs"), pybind11::arg("outputs"),
+        pybind11::arg("op"), pybind11::arg("streams"), pybind11::arg("transport"));
   m.def("build_info", &build_info);
   m.def("peer_access", &peer_access);
 }

@@ -1,8 +1,11 @@
-"""References for all-reduce tests: independent of the extension's code.
+"""References for the collectives' tests: independent of the extension's code.
 
 - ``ring_model``: the ring's result computed with torch ops in the ring's reduction order
   (chunk c is combined in rank order c, c+1, ..., c+N-1, each hop rounded to the dtype, half
-  types through fp32). It must match ringreduce bit for bit, on CPU and GPU alike.
+  types through fp32). It must match ringreduce bit for bit, on CPU and GPU alike; ``reduce``
+  gives the same bits on its root.
+- ``reduce_scatter_model``: the same for reduce_scatter, whose block c is combined in the order
+  c+1, c+2, ..., c (NCCL's ring: the block ends on its own rank).
 - ``wide_reference``: the mathematical reduction in float64 (floats) or with exact integer
   wrap-around (ints), for tolerance checks that do not share the ring's reduction order.
 """
@@ -73,22 +76,39 @@ def _combine(op, mine, incoming, dtype, last, nranks):
     return r.to(dtype)
 
 
+def _ring_chunk(x, op, lo, hi, first):
+    """Elements lo:hi of the flat inputs x combined in the rank order first, first+1, ..."""
+    n = len(x)
+    acc = x[first % n][lo:hi]
+    for j in range(1, n):
+        acc = _combine(op, x[(first + j) % n][lo:hi], acc, x[0].dtype, j == n - 1, n)
+    return acc
+
+
 def ring_model(inputs, op):
     """The value every rank must hold after ringreduce's ring, bit for bit."""
     n = len(inputs)
     x = [t.detach().cpu().reshape(-1) for t in inputs]
-    dtype = x[0].dtype
     out = x[0].clone()
     if n == 1:
         return out.reshape(inputs[0].shape)
     for c, (lo, hi) in enumerate(chunk_bounds(x[0].numel(), n, x[0].element_size())):
-        if lo == hi:
-            continue
-        acc = x[c][lo:hi]
-        for j in range(1, n):
-            acc = _combine(op, x[(c + j) % n][lo:hi], acc, dtype, j == n - 1, n)
-        out[lo:hi] = acc
+        if lo < hi:
+            out[lo:hi] = _ring_chunk(x, op, lo, hi, c)
     return out.reshape(inputs[0].shape)
+
+
+def reduce_scatter_model(inputs, op):
+    """What rank r's output holds after ringreduce.reduce_scatter (flat), bit for bit."""
+    n = len(inputs)
+    x = [t.detach().cpu().reshape(-1) for t in inputs]
+    count = x[0].numel() // n
+    return [_ring_chunk(x, op, r * count, (r + 1) * count, r + 1).clone() for r in range(n)]
+
+
+def all_gather_model(inputs):
+    """What every output holds after ringreduce.all_gather (flat)."""
+    return torch.cat([t.detach().cpu().reshape(-1) for t in inputs])
 
 
 def wide_reference(inputs, op):

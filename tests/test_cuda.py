@@ -1,4 +1,4 @@
-"""ringreduce.all_reduce on CUDA: simulated ranks on one GPU, distinct GPUs, stream ordering.
+"""ringreduce's collectives on CUDA: simulated ranks on one GPU, distinct GPUs, stream ordering.
 
 Every GPU result is compared bit for bit with the ring model (tests/reference.py), which is
 also what the CPU path produces: the reduction order and the per-hop rounding are the same.
@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import ringreduce
+from checks import check_copying_collectives, check_reducing_collectives
 from reference import (ALL_DTYPES, assert_close_to_wide, random_inputs, ring_model,
                        valid_ops)
 
@@ -129,10 +130,12 @@ def test_matches_cpu_path_bitwise():
         assert torch.equal(gpu[3].cpu(), cpu[3])
 
 
-def test_stream_ordering_on_a_side_stream():
-    """Inputs produced on the current stream right before the call, overwritten right after."""
-    g = torch.Generator().manual_seed(9)
-    n, count = 4, (1 << 22) + 7
+def _check_inputs_produced_late(seed, count, collective):
+    """Inputs produced on a busy side stream right before `collective(side, tensors)` (which
+    queues the all-reduce and returns the result tensors), everything overwritten there right
+    after: an unordered read or a late write shows up as NaN poison or -1."""
+    g = torch.Generator().manual_seed(seed)
+    n = 4
     inputs = random_inputs(n, count, torch.float32, "sum", generator=g)
     staged = [x.pin_memory() for x in inputs]
     side = torch.cuda.Stream()
@@ -143,14 +146,24 @@ def test_stream_ordering_on_a_side_stream():
         big @ big  # keep the stream busy so an unordered read would see the NaN poison
         for t, x in zip(tensors, staged):
             t.copy_(x, non_blocking=True)
-        ringreduce.all_reduce(tensors)
-        results = [t.clone() for t in tensors]
-        for t in tensors:
+    outputs = collective(side, tensors)
+    with torch.cuda.stream(side):
+        results = [t.clone() for t in outputs]
+        for t in tensors + outputs:
             t.fill_(-1.0)
     side.synchronize()
     expected = ring_model(inputs, "sum")
     for r in results:
         assert torch.equal(r.cpu(), expected)
+
+
+def test_stream_ordering_on_a_side_stream():
+    """Inputs produced on the current stream right before the call, overwritten right after."""
+    def on_current_stream(side, tensors):
+        with torch.cuda.stream(side):
+            return ringreduce.all_reduce(tensors)
+
+    _check_inputs_produced_late(9, (1 << 22) + 7, on_current_stream)
 
 
 def test_tensors_dropped_right_after_the_call():
@@ -199,3 +212,72 @@ def test_build_info_reports_cuda():
     assert info["arch_list"]
     report = ringreduce.peer_access()
     assert len(report["devices"]) == torch.cuda.device_count()
+
+
+# The other collectives and all_reduce's outputs=, with the checks of test_collectives.py.
+COLLECTIVE_SIZES = (0, 1, 7, 33, 1000, 4099, (1 << 18) + 5)
+
+
+@pytest.mark.parametrize("dtype,op", list(_cases()), ids=lambda v: str(v).replace("torch.", ""))
+@pytest.mark.parametrize("nranks", [1, 2, 3, 4, 5, 8])
+def test_collectives_simulated_ranks(dtype, op, nranks):
+    g = torch.Generator().manual_seed(nranks * 1000 + len(op) + 17)
+    check_reducing_collectives(dtype, op, _devices(nranks, spread=False), g, COLLECTIVE_SIZES)
+
+
+@pytest.mark.parametrize("dtype", ALL_DTYPES, ids=lambda v: str(v).replace("torch.", ""))
+@pytest.mark.parametrize("nranks", [1, 2, 3, 4, 5, 8])
+def test_copying_collectives_simulated_ranks(dtype, nranks):
+    g = torch.Generator().manual_seed(nranks + 29)
+    check_copying_collectives(dtype, _devices(nranks, spread=False), g, COLLECTIVE_SIZES)
+
+
+@pytest.mark.parametrize("dtype,op", [(torch.float32, "sum"), (torch.bfloat16, "avg"),
+                                      (torch.int8, "max")],
+                         ids=lambda v: str(v).replace("torch.", ""))
+@pytest.mark.parametrize("nranks", [2, 3, 5])
+def test_collectives_copy_transport(dtype, op, nranks, monkeypatch):
+    monkeypatch.setenv("RINGREDUCE_TRANSPORT", "copy")
+    g = torch.Generator().manual_seed(nranks * 31)
+    devices = _devices(nranks, spread=True)
+    check_reducing_collectives(dtype, op, devices, g, COLLECTIVE_SIZES)
+    check_copying_collectives(dtype, devices, g, COLLECTIVE_SIZES)
+
+
+@pytest.mark.skipif(not MULTI_GPU, reason="needs two or more GPUs")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int64])
+@pytest.mark.parametrize("nranks", [2, 3, 4, 8])
+def test_collectives_distinct_gpus(dtype, nranks):
+    g = torch.Generator().manual_seed(nranks + 37)
+    devices = _devices(nranks, spread=True)
+    for op in valid_ops(dtype):
+        check_reducing_collectives(dtype, op, devices, g, COLLECTIVE_SIZES)
+    check_copying_collectives(dtype, devices, g, COLLECTIVE_SIZES)
+
+
+def test_collectives_on_given_streams():
+    """streams=[...] runs the collective on those streams, not on the current ones."""
+    def on_given_streams(side, tensors):
+        outputs = [torch.full_like(t, float("nan")) for t in tensors]
+        return ringreduce.all_reduce(tensors, outputs=outputs, streams=[side] * len(tensors))
+
+    _check_inputs_produced_late(41, (1 << 20) + 3, on_given_streams)
+
+
+def test_streams_must_agree_on_a_shared_device():
+    tensors = [torch.ones(8, device="cuda") for _ in range(3)]
+    before = [t.clone() for t in tensors]
+    with pytest.raises(ValueError, match=r"streams\[0\] and streams\[1\] name different streams"):
+        ringreduce.broadcast(tensors, 0, streams=[torch.cuda.Stream(), torch.cuda.Stream(), None])
+    for t, b in zip(tensors, before):
+        assert torch.equal(t, b)
+
+
+def test_collectives_reject_outputs_on_another_device_before_modification():
+    a = [torch.randn(8, device="cuda") for _ in range(2)]
+    outs = [torch.empty(16, device="cuda"), torch.empty(16)]
+    before = [t.clone() for t in a]
+    with pytest.raises(ValueError, match=r"outputs\[1\] must be on the device of inputs\[1\]"):
+        ringreduce.all_gather(a, outs)
+    for t, b in zip(a, before):
+        assert torch.equal(t, b)

@@ -139,3 +139,210 @@ def test_build_info():
     n = len(report["devices"])
     assert len(report["can_access_peer"]) == n
     assert all(len(row) == n for row in report["can_access_peer"])
+
+
+# The other collectives (reduce, broadcast, all_gather, reduce_scatter) and all_reduce's
+# outputs=: every bad argument raises, naming it, before any input or output changes.
+
+def _raises_untouched(call, tensors, exc, match):
+    def raw(t):  # bytes, so that uninitialised NaNs compare equal
+        return t.detach().contiguous().reshape(-1).view(torch.uint8).clone()
+
+    before = [raw(t) for t in tensors]
+    with pytest.raises(exc, match=match):
+        call()
+    for t, b in zip(tensors, before):
+        assert torch.equal(raw(t), b), "a tensor was modified before the error was raised"
+
+
+def _outs(n=3, count=8, dtype=torch.float32):
+    return [torch.full((count,), 7.0).to(dtype) for _ in range(n)]
+
+
+@pytest.mark.parametrize("outputs,exc,match", [
+    (lambda: _outs(2), ValueError, r"outputs must hold one tensor per rank.*got 2"),
+    (lambda: _outs(count=9), ValueError, r"outputs\[0\] must have 8 elements"),
+    (lambda: _outs(dtype=torch.float64), TypeError, r"outputs\[0\] must have the dtype"),
+    (lambda: _outs()[:2] + [torch.empty(8, device="meta")], ValueError,
+     r"outputs\[2\] must be on the device"),
+    (lambda: _outs()[:2] + [torch.randn(16)[::2]], ValueError, r"outputs\[2\] is not contiguous"),
+    (lambda: _outs()[:2] + [3.0], TypeError, r"outputs\[2\] must be a torch.Tensor"),
+    (lambda: torch.ones(8), TypeError, "outputs must be a list"),
+])
+def test_all_reduce_bad_outputs(outputs, exc, match):
+    ins, outs = _ranks(), outputs()
+    tensors = ins + [o for o in (outs if isinstance(outs, list) else [outs])
+                     if isinstance(o, torch.Tensor) and o.device.type == "cpu"]
+    _raises_untouched(lambda: ringreduce.all_reduce(ins, outputs=outs), tensors, exc, match)
+
+
+def test_all_reduce_outputs_overlapping_another_rank():
+    ins = _ranks()
+    outs = [ins[1], torch.empty(8), torch.empty(8)]
+    _raises_untouched(lambda: ringreduce.all_reduce(ins, outputs=outs), ins + outs, ValueError,
+                      r"tensors\[1\] and outputs\[0\] overlap.*may be tensors\[i\] itself")
+    base = torch.zeros(20)
+    outs = [base[0:8], base[4:12], torch.empty(8)]
+    _raises_untouched(lambda: ringreduce.all_reduce(ins, outputs=outs), ins + [base], ValueError,
+                      r"outputs\[0\] and outputs\[1\] overlap")
+    # a partial overlap with the rank's own input is not in place
+    base = torch.randn(12) + 3
+    outs = [torch.empty(8), torch.empty(8), base[2:10]]
+    _raises_untouched(lambda: ringreduce.all_reduce(ins[:2] + [base[:8]], outputs=outs),
+                      ins + [base], ValueError, r"tensors\[2\] and outputs\[2\] overlap")
+
+
+def test_all_reduce_outputs_positionally_is_rejected():
+    ins = _ranks()
+    _raises_untouched(lambda: ringreduce.all_reduce(ins, _outs()), ins, TypeError, "outputs=")
+
+
+@pytest.mark.parametrize("root,exc,match", [
+    (-1, ValueError, r"root must be a rank in \[0, 3\); got -1"),
+    (3, ValueError, r"root must be a rank in \[0, 3\); got 3"),
+    (True, TypeError, "root must be an int"),
+    ("0", TypeError, "root must be an int"),
+    (None, TypeError, "root must be an int"),
+])
+@pytest.mark.parametrize("fn", ["reduce", "broadcast"])
+def test_bad_root(fn, root, exc, match):
+    ins = _ranks()
+    call = {"reduce": lambda: ringreduce.reduce(ins, None, root),
+            "broadcast": lambda: ringreduce.broadcast(ins, root)}[fn]
+    _raises_untouched(call, ins, exc, f"ringreduce.{fn}: {match}")
+
+
+@pytest.mark.parametrize("case,exc,match", [
+    (lambda ins: (ins, torch.empty(9)), ValueError, "output must have 8 elements"),
+    (lambda ins: (ins, torch.empty(8, dtype=torch.float64)), TypeError,
+     "output must have the dtype"),
+    (lambda ins: (ins, torch.empty(8, device="meta")), ValueError,
+     "output must be on the device"),
+    (lambda ins: (ins, torch.empty(16)[::2]), ValueError, "output is not contiguous"),
+    (lambda ins: (ins, [torch.empty(8)] * 3), TypeError, "output must be one torch.Tensor"),
+    (lambda ins: (ins, ins[0]), ValueError, r"inputs\[0\] and output overlap"),
+    (lambda ins: (ins, torch.cat([ins[1], ins[1]])[3:11]), None, None),
+    (lambda ins: ((lambda base: ([ins[0], base[:8], ins[2]], base[2:10]))(torch.randn(12) + 3)),
+     ValueError, r"inputs\[1\] and output overlap.*inputs\[root\] itself"),
+])
+def test_reduce_bad_output(case, exc, match):
+    ins, out = case(_ranks())
+    if exc is None:  # a control: a distinct output is fine
+        assert ringreduce.reduce(ins, out, root=1) is out
+        return
+    touched = ins + ([out] if isinstance(out, torch.Tensor) and out.device.type == "cpu" else [])
+    _raises_untouched(lambda: ringreduce.reduce(ins, out, root=1), touched, exc,
+                      f"ringreduce.reduce: {match}")
+
+
+def test_reduce_other_checks():
+    ins = _ranks()
+    _raises_untouched(lambda: ringreduce.reduce(ins, comms=[object()]), ins, ValueError,
+                      r"ringreduce.reduce: comms \(NCCL communicators\)")
+    _raises_untouched(lambda: ringreduce.reduce(ins + [torch.randn(9)]), ins, ValueError,
+                      r"same shape.*inputs\[3\]")
+    _raises_untouched(lambda: ringreduce.reduce(ins, op="xor"), ins, ValueError, "op must be one of")
+    ints = [torch.arange(1, 9, dtype=torch.int32) for _ in range(3)]
+    _raises_untouched(lambda: ringreduce.reduce(ints, op="avg"), ints, TypeError, "floating-point")
+    _raises_untouched(lambda: ringreduce.reduce(ins[:1] + [ins[0]]), ins, ValueError,
+                      r"inputs\[0\] and inputs\[1\] overlap")
+
+
+def test_broadcast_checks():
+    ins = _ranks()
+    _raises_untouched(lambda: ringreduce.broadcast([ins[0], ins[1], ins[1]]), ins, ValueError,
+                      r"ringreduce.broadcast: inputs\[1\] and inputs\[2\] overlap")
+    _raises_untouched(lambda: ringreduce.broadcast(ins + [torch.randn(8, dtype=torch.float64)]),
+                      ins, TypeError, r"same dtype.*inputs\[3\]")
+    _raises_untouched(lambda: ringreduce.broadcast(ins[:2] + [torch.randn(16)[::2]]), ins,
+                      ValueError, r"inputs\[2\] is not contiguous")
+    _raises_untouched(lambda: ringreduce.broadcast(ins, comms=1), ins, ValueError, "comms")
+    with pytest.raises(ValueError, match="one tensor per rank"):
+        ringreduce.broadcast([])
+    with pytest.raises(TypeError, match="inputs must be a list"):
+        ringreduce.broadcast(ins[0])
+
+
+@pytest.mark.parametrize("outputs,exc,match", [
+    (lambda ins: _outs(2, 24), ValueError, r"outputs must hold one tensor per rank"),
+    (lambda ins: _outs(3, 8), ValueError, r"outputs\[0\] must have 24 elements; got 8"),
+    (lambda ins: _outs(3, 24, torch.float16), TypeError, r"outputs\[0\] must have the dtype"),
+    (lambda ins: _outs(3, 24)[:2] + [torch.empty(24, device="meta")], ValueError,
+     r"outputs\[2\] must be on the device"),
+    (lambda ins: _outs(3, 24)[:2] + [torch.empty(48)[::2]], ValueError,
+     r"outputs\[2\] is not contiguous"),
+    (lambda ins: [torch.empty(24)] * 3, ValueError, r"outputs\[0\] and outputs\[1\] overlap"),
+])
+def test_all_gather_bad_outputs(outputs, exc, match):
+    ins = _ranks()
+    outs = outputs(ins)
+    touched = ins + [o for o in outs if o.device.type == "cpu"]
+    _raises_untouched(lambda: ringreduce.all_gather(ins, outs), touched, exc,
+                      f"ringreduce.all_gather: {match}")
+
+
+def test_all_gather_overlap_rules():
+    outs = [torch.zeros(24) for _ in range(3)]
+    # in place: inputs[i] is block i of outputs[i]
+    ins = [outs[i][8 * i:8 * (i + 1)] for i in range(3)]
+    for i, t in enumerate(ins):
+        t.copy_(torch.arange(8.0) + 10 * i)
+    ringreduce.all_gather(ins, outs)
+    for out in outs:
+        assert torch.equal(out, torch.cat([torch.arange(8.0) + 10 * i for i in range(3)]))
+    # block 0 of outputs[1] is not inputs[1]'s place
+    outs = [torch.zeros(24) for _ in range(3)]
+    ins = [torch.ones(8), outs[1][:8], torch.ones(8)]
+    _raises_untouched(lambda: ringreduce.all_gather(ins, outs), ins + outs, ValueError,
+                      r"inputs\[1\] and outputs\[1\] overlap.*block i of outputs\[i\]")
+    ins = [torch.ones(8), torch.ones(8), outs[0][16:]]
+    _raises_untouched(lambda: ringreduce.all_gather(ins, outs), ins + outs, ValueError,
+                      r"inputs\[2\] and outputs\[0\] overlap")
+
+
+@pytest.mark.parametrize("outputs,exc,match", [
+    (lambda: _outs(4, 8), ValueError, r"outputs must hold one tensor per rank"),
+    (lambda: _outs(3, 7), ValueError, r"outputs\[0\] must have 8 elements; got 7"),
+    (lambda: _outs(3, 8, torch.float64), TypeError, r"outputs\[0\] must have the dtype"),
+    (lambda: _outs(3, 8)[:1] + [torch.empty(8, device="meta")] + _outs(1, 8), ValueError,
+     r"outputs\[1\] must be on the device"),
+    (lambda: [torch.empty(8)] * 3, ValueError, r"outputs\[0\] and outputs\[1\] overlap"),
+])
+def test_reduce_scatter_bad_outputs(outputs, exc, match):
+    ins = _ranks(3, 24)
+    outs = outputs()
+    touched = ins + [o for o in outs if o.device.type == "cpu"]
+    _raises_untouched(lambda: ringreduce.reduce_scatter(ins, outs), touched, exc,
+                      f"ringreduce.reduce_scatter: {match}")
+
+
+def test_reduce_scatter_other_checks():
+    ins = _ranks(3, 10)
+    outs = _outs(3, 3)
+    _raises_untouched(lambda: ringreduce.reduce_scatter(ins, outs), ins + outs, ValueError,
+                      r"multiple of 3 elements\); inputs\[0\] has 10")
+    ins = _ranks(3, 24)
+    outs = [ins[0][8:16], torch.empty(8), torch.empty(8)]
+    _raises_untouched(lambda: ringreduce.reduce_scatter(ins, outs), ins + outs, ValueError,
+                      r"inputs\[0\] and outputs\[0\] overlap.*block i of inputs\[i\]")
+    outs = [torch.empty(8), ins[2][8:16], torch.empty(8)]
+    _raises_untouched(lambda: ringreduce.reduce_scatter(ins, outs), ins + outs, ValueError,
+                      r"inputs\[2\] and outputs\[1\] overlap")
+    _raises_untouched(lambda: ringreduce.reduce_scatter(ins, _outs(3, 8), op="bogus"), ins,
+                      ValueError, "op must be one of")
+    with pytest.raises(TypeError, match="outputs must be a list"):
+        ringreduce.reduce_scatter(ins, None)
+
+
+def test_bad_streams():
+    ins = _ranks()
+    outs = [torch.empty(24) for _ in range(3)]
+    _raises_untouched(lambda: ringreduce.all_gather(ins, outs, streams="s"), ins + outs,
+                      TypeError, "streams must be None or a list")
+    _raises_untouched(lambda: ringreduce.all_gather(ins, outs, streams=[None, 3, None]),
+                      ins + outs, TypeError, r"streams\[1\] must be a torch.cuda.Stream")
+    _raises_untouched(lambda: ringreduce.all_gather(ins, outs, streams=[None]), ins + outs,
+                      ValueError, r"streams must hold one stream \(or None\) per rank")
+    cpu_stream = torch.Stream(device="cpu")
+    _raises_untouched(lambda: ringreduce.all_reduce(ins, streams=[None, cpu_stream, None]), ins,
+                      ValueError, r"streams\[1\] is given but tensors\[1\] is on cpu")

@@ -3,17 +3,26 @@
 
 #include <cstdint>
 
+#include "plan.h"
 #include "types.h"
 
 namespace rr {
 namespace cpu {
 
-// One reduce-scatter hop on n elements: dst[i] = combine(dst[i], src[i]); when `last` is set
+// One reduce-scatter hop on n elements: dst[i] = combine(own[i], src[i]); when `last` is set
 // and op is Avg, the result is divided by `nranks` before rounding to the storage type.
+// dst may be own (in place).
+void combine(DType dtype, Op op, void* dst, const void* own, const void* src, int64_t n,
+             bool last, int nranks);
+
+// The in-place hop: dst[i] = combine(dst[i], src[i]).
 void combine(DType dtype, Op op, void* dst, const void* src, int64_t n, bool last, int nranks);
 
-// All-reduce `count` elements of `nranks` distinct host buffers in place, one ring step at a
-// time across all ranks. Every buffer ends up bitwise identical.
+// Runs a plan (plan.h) over host buffers, one step at a time across all ranks.
+void run(const Plan& plan, DType dtype, Op op, int nranks);
+
+// All-reduce `count` elements of `nranks` distinct host buffers in place. Every buffer ends up
+// bitwise identical.
 void all_reduce(void* const* bufs, int nranks, int64_t count, DType dtype, Op op);
 
 }  // namespace cpu

@@ -48,6 +48,7 @@ __global__ void __launch_bounds__(kThreads) step_kernel(const __grid_constant__ 
   using A = typename Acc<T>::type;
   const Task& task = p.task[blockIdx.y];
   T* dst = static_cast<T*>(task.dst);
+  const T* own = task.own != nullptr ? static_cast<const T*>(task.own) : dst;
   const T* src = static_cast<const T*>(task.src);
   const int64_t n = task.n;
   const A divisor = A(p.nranks);
@@ -56,14 +57,16 @@ __global__ void __launch_bounds__(kThreads) step_kernel(const __grid_constant__ 
   constexpr int kVec = 16 / int(sizeof(T));
 
   int64_t head = 0;
-  if (((reinterpret_cast<uintptr_t>(dst) | reinterpret_cast<uintptr_t>(src)) & 15) == 0) {
+  if (((reinterpret_cast<uintptr_t>(dst) | reinterpret_cast<uintptr_t>(own) |
+        reinterpret_cast<uintptr_t>(src)) & 15) == 0) {
     const int64_t nvec = n / kVec;
     uint4* dv = reinterpret_cast<uint4*>(dst);
+    const uint4* ov = reinterpret_cast<const uint4*>(own);
     const uint4* sv = reinterpret_cast<const uint4*>(src);
     for (int64_t i = tid; i < nvec; i += stride) {
       uint4 in = sv[i];
       if (kReduce) {
-        uint4 mine = dv[i];
+        uint4 mine = ov[i];
         T m[kVec], x[kVec];
         memcpy(m, &mine, 16);
         memcpy(x, &in, 16);
@@ -76,7 +79,7 @@ __global__ void __launch_bounds__(kThreads) step_kernel(const __grid_constant__ 
     head = nvec * kVec;
   }
   for (int64_t i = head + tid; i < n; i += stride) {
-    dst[i] = apply<T, op, kReduce, kLast>(dst[i], src[i], divisor);
+    dst[i] = apply<T, op, kReduce, kLast>(own[i], src[i], divisor);
   }
 }
 
@@ -228,11 +231,10 @@ void launch_step(const Task* tasks, int ntasks, DType dtype, Op op, bool reduce,
                     dtype_name(dtype) + " " + op_name(op) + " on cuda:" + std::to_string(device));
 }
 
-std::vector<std::string> all_reduce(const RankBuffer* bufs, int nranks, int64_t count,
-                                    DType dtype, Op op, const DeviceStream* streams,
-                                    int nstreams, bool force_copy) {
+std::vector<std::string> run(const Plan& plan, const int* rank_device, int nranks, DType dtype,
+                             Op op, const DeviceStream* streams, int nstreams, bool force_copy) {
   std::vector<std::string> staged;
-  if (nranks <= 1 || count == 0) return staged;
+  if (plan.empty()) return staged;
   if (nranks > kMaxRanks) {
     throw std::runtime_error("ringreduce: at most " + std::to_string(kMaxRanks) +
                              " ranks are supported, got " + std::to_string(nranks));
@@ -244,30 +246,36 @@ std::vector<std::string> all_reduce(const RankBuffer* bufs, int nranks, int64_t 
   for (int i = 0; i < nstreams; ++i) stream_of[streams[i].device] = streams[i].stream;
   std::vector<int> devices;  // distinct devices in rank order
   for (int r = 0; r < nranks; ++r) {
-    if (!stream_of.count(bufs[r].device)) {
+    if (!stream_of.count(rank_device[r])) {
       throw std::runtime_error("ringreduce: no stream given for cuda:" +
-                               std::to_string(bufs[r].device));
+                               std::to_string(rank_device[r]));
     }
-    if (std::find(devices.begin(), devices.end(), bufs[r].device) == devices.end()) {
-      devices.push_back(bufs[r].device);
+    if (std::find(devices.begin(), devices.end(), rank_device[r]) == devices.end()) {
+      devices.push_back(rank_device[r]);
     }
   }
   const bool multi = devices.size() > 1;
-  const int64_t steps = num_steps(nranks);
+  const int64_t steps = int64_t(plan.size());
   const int64_t esize = elem_size(dtype);
-  const int64_t chunk_bytes = chunk_elems(count, nranks, esize) * esize;
+  // The largest combine hop: the size of one staging slot.
+  int64_t slot_bytes = 0;
+  for (const PlanStep& step : plan) {
+    for (const Move& m : step.moves) {
+      if (step.reduce && m.src_rank != m.rank) slot_bytes = std::max(slot_bytes, m.n * esize);
+    }
+  }
 
   // Event layout per device: [0] entry, [1 + k] after step k, [1 + steps] exit.
   std::map<int, DeviceState*> state;
   for (int d : devices) state[d] = &device_state(guard, d, multi ? size_t(steps + 2) : 0);
 
-  // Which ranks read their predecessor through copies (a staging buffer for reduce-scatter
-  // hops, straight into place for all-gather hops), and their slot in the staging buffer.
+  // Which ranks read their predecessor through copies (a staging buffer for combine hops,
+  // straight into place for copy hops), and their slot in the staging buffer.
   std::vector<int> slot(nranks, -1);
   std::map<int, int> slots_on;
-  for (int r = 0; r < nranks; ++r) {
+  for (int r = 0; r < nranks && nranks > 1; ++r) {
     const int p = mod(r - 1, nranks);
-    const int rd = bufs[r].device, pd = bufs[p].device;
+    const int rd = rank_device[r], pd = rank_device[p];
     const bool no_peer = rd != pd && !ensure_peer(guard, rd, pd);
     if (no_peer || force_copy) slot[r] = slots_on[rd]++;
     if (no_peer) {
@@ -276,10 +284,12 @@ std::vector<std::string> all_reduce(const RankBuffer* bufs, int nranks, int64_t 
     }
   }
   std::map<int, char*> stage;
-  for (auto& kv : slots_on) {
-    DeviceState& st = *state[kv.first];
-    stage[kv.first] = static_cast<char*>(
-        ensure_stage(guard, st, kv.first, size_t(kv.second) * size_t(chunk_bytes)));
+  if (slot_bytes > 0) {
+    for (auto& kv : slots_on) {
+      DeviceState& st = *state[kv.first];
+      stage[kv.first] = static_cast<char*>(
+          ensure_stage(guard, st, kv.first, size_t(kv.second) * size_t(slot_bytes)));
+    }
   }
 
   if (multi) {
@@ -308,41 +318,39 @@ std::vector<std::string> all_reduce(const RankBuffer* bufs, int nranks, int64_t 
 
   std::vector<Task> tasks;
   for (int64_t k = 0; k < steps; ++k) {
+    const PlanStep& step = plan[size_t(k)];
     for (int d : devices) {
       guard.set(d);
       cudaStream_t s = stream_of[d];
       tasks.clear();
       std::vector<int> waited;
-      bool reduce = false, last = false;
-      for (int r = 0; r < nranks; ++r) {
-        if (bufs[r].device != d) continue;
-        const Step st = ring_step(r, nranks, k);
-        reduce = st.reduce;
-        last = st.last_reduce;
-        const Range c = chunk_range(count, nranks, esize, st.chunk);
-        if (c.count == 0) continue;
-        const int pd = bufs[st.src_rank].device;
-        // Rank r's step k reads what its predecessor wrote at step k-1 (entry covers k = 0).
+      for (const Move& m : step.moves) {
+        if (rank_device[m.rank] != d) continue;
+        const int pd = rank_device[m.src_rank];
+        // A move at step k reads what its predecessor wrote at step k-1 (entry covers k = 0).
         if (pd != d && k > 0 && std::find(waited.begin(), waited.end(), pd) == waited.end()) {
           RR_CUDA_CHECK(cudaStreamWaitEvent(s, state[pd]->events[k], 0), where(int(k), d));
           waited.push_back(pd);
         }
-        char* dst = static_cast<char*>(bufs[r].ptr) + c.offset * esize;
-        const char* src = static_cast<const char*>(bufs[st.src_rank].ptr) + c.offset * esize;
-        if (slot[r] >= 0 && !st.reduce) {
-          RR_CUDA_CHECK(cudaMemcpyPeerAsync(dst, d, src, pd, size_t(c.count * esize), s),
-                        "copying " + where(int(k), d));
-          continue;
-        }
-        if (slot[r] >= 0) {
-          char* tmp = stage[d] + int64_t(slot[r]) * chunk_bytes;
-          RR_CUDA_CHECK(cudaMemcpyPeerAsync(tmp, d, src, pd, size_t(c.count * esize), s),
+        const void* src = m.src;
+        const size_t bytes = size_t(m.n * esize);
+        if (m.src_rank != m.rank && slot[m.rank] >= 0) {
+          if (!step.reduce) {
+            RR_CUDA_CHECK(cudaMemcpyPeerAsync(m.dst, d, src, pd, bytes, s),
+                          "copying " + where(int(k), d));
+            continue;
+          }
+          char* tmp = stage[d] + int64_t(slot[m.rank]) * slot_bytes;
+          RR_CUDA_CHECK(cudaMemcpyPeerAsync(tmp, d, src, pd, bytes, s),
                         "staging " + where(int(k), d));
           src = tmp;
         }
-        tasks.push_back(Task{dst, src, c.count});
+        tasks.push_back(Task{m.dst, src, m.n, m.own});
       }
-      launch_step(tasks.data(), int(tasks.size()), dtype, op, reduce, last, nranks, s);
+      for (size_t i = 0; i < tasks.size(); i += kMaxRanks) {
+        const int batch = int(std::min(tasks.size() - i, size_t(kMaxRanks)));
+        launch_step(tasks.data() + i, batch, dtype, op, step.reduce, step.last, nranks, s);
+      }
       if (multi) {
         RR_CUDA_CHECK(cudaEventRecord(state[d]->events[1 + k], s), where(int(k), d));
       }
@@ -373,6 +381,19 @@ std::vector<std::string> all_reduce(const RankBuffer* bufs, int nranks, int64_t 
     }
   }
   return staged;
+}
+
+std::vector<std::string> all_reduce(const RankBuffer* bufs, int nranks, int64_t count,
+                                    DType dtype, Op op, const DeviceStream* streams,
+                                    int nstreams, bool force_copy) {
+  std::vector<void*> ptrs;
+  std::vector<int> devices;
+  for (int r = 0; r < nranks; ++r) {
+    ptrs.push_back(bufs[r].ptr);
+    devices.push_back(bufs[r].device);
+  }
+  return run(all_reduce_plan(ptrs.data(), ptrs.data(), nranks, count, elem_size(dtype)),
+             devices.data(), nranks, dtype, op, streams, nstreams, force_copy);
 }
 
 void check_device_supported(int device) {

@@ -9,6 +9,7 @@
 #include <string>
 #include <vector>
 
+#include "plan.h"
 #include "types.h"
 
 namespace rr {
@@ -26,11 +27,13 @@ struct DeviceStream {
   cudaStream_t stream;  // the stream every piece of work for this device is queued on
 };
 
-// One piece of a ring step: dst = combine(dst, src) or dst = src for n elements.
+// One piece of a ring step: dst = combine(own, src) or dst = src for n elements. `own` left
+// null means dst itself (in place).
 struct Task {
   void* dst;
   const void* src;
   int64_t n;
+  const void* own = nullptr;
 };
 
 // Launches one kernel that performs `ntasks` (<= kMaxRanks) tasks of one ring step on
@@ -39,12 +42,16 @@ struct Task {
 void launch_step(const Task* tasks, int ntasks, DType dtype, Op op, bool reduce, bool last,
                  int nranks, cudaStream_t stream);
 
-// All-reduce in place. `streams` names one stream per distinct device among the buffers; the
-// call is ordered after work already queued there and work queued there afterwards sees the
-// result (cross-device dependencies go through events). Neighbours without peer access are
-// staged through cudaMemcpyPeerAsync; `force_copy` stages every hop that way (for testing and
-// measuring the copy transport on one GPU). Returns descriptions of the pairs staged for lack
-// of peer access.
+// Runs a plan (plan.h); rank r's buffers live on device rank_device[r]. `streams` names one
+// stream per distinct device among them; the call is ordered after work already queued there
+// and work queued there afterwards sees the result (cross-device dependencies go through
+// events). Neighbours without peer access are staged through cudaMemcpyPeerAsync;
+// `force_copy` stages every hop that way (for testing and measuring the copy transport on one
+// GPU). Returns descriptions of the pairs staged for lack of peer access.
+std::vector<std::string> run(const Plan& plan, const int* rank_device, int nranks, DType dtype,
+                             Op op, const DeviceStream* streams, int nstreams, bool force_copy);
+
+// All-reduce in place (all_reduce_plan run by run()).
 std::vector<std::string> all_reduce(const RankBuffer* bufs, int nranks, int64_t count,
                                     DType dtype, Op op, const DeviceStream* streams,
                                     int nstreams, bool force_copy);

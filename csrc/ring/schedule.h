@@ -14,6 +14,10 @@
 // Data dependency: rank r's step k reads what rank r-1 wrote at step k-1, and nothing else.
 // Chunk c is reduced in the fixed order c, c+1, ..., c+N-1 (mod N), so the result is the
 // same on every rank and on every call, whatever the timing.
+//
+// `shift` rotates which chunk each rank handles by that many positions: with shift 1 rank r
+// finishes chunk r (not r + 1), and chunk c is reduced in the order c+1, c+2, ..., c. NCCL's
+// reduce_scatter and all_gather put block r on rank r, so plan.h uses shift 1 for those.
 #pragma once
 
 #include <cstdint>
@@ -52,15 +56,15 @@ inline Range chunk_range(int64_t count, int nranks, int64_t elem_size, int chunk
   return Range{begin, end - begin};
 }
 
-inline Step ring_step(int rank, int nranks, int64_t step) {
+inline Step ring_step(int rank, int nranks, int64_t step, int shift = 0) {
   Step s;
   s.src_rank = mod(rank - 1, nranks);
   if (step < nranks - 1) {
-    s.chunk = mod(rank - step - 1, nranks);
+    s.chunk = mod(rank - step - 1 - shift, nranks);
     s.reduce = true;
     s.last_reduce = step == nranks - 2;
   } else {
-    s.chunk = mod(rank - (step - (nranks - 1)), nranks);
+    s.chunk = mod(rank - (step - (nranks - 1)) - shift, nranks);
     s.reduce = false;
     s.last_reduce = false;
   }

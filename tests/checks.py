@@ -1,0 +1,168 @@
+"""Runs one list-API collective on given devices and checks it against tests/reference.py.
+
+Shared by the CPU tests (test_collectives.py) and the GPU tests (test_cuda.py). Every output is
+poisoned before the call, every result compared bit for bit with the ring model (and reduced
+results with the exact or float64 reference), and every tensor the call must not write is
+checked unchanged.
+"""
+import torch
+
+import ringreduce
+from reference import (all_gather_model, assert_close_to_wide, random_inputs,
+                       reduce_scatter_model, ring_model)
+
+POISON_BYTE = 0xA5
+
+
+def poison_like(t, shape=None):
+    out = torch.empty(t.shape if shape is None else shape, dtype=t.dtype, device=t.device)
+    out.view(torch.uint8).fill_(POISON_BYTE)
+    return out
+
+
+def bits(t):
+    return t.detach().cpu().contiguous().reshape(-1).view(torch.uint8)
+
+
+def assert_same_bits(got, expected, what):
+    assert got.dtype == expected.dtype, f"{what}: dtype {got.dtype}, expected {expected.dtype}"
+    a, b = bits(got), bits(expected)
+    assert torch.equal(a, b), (
+        f"{what} differs from the model in {int((a != b).sum())} of {a.numel()} bytes")
+    if got.dtype == torch.bool:
+        assert bool((a <= 1).all()), f"{what}: a bool holds a byte other than 0 or 1"
+
+
+def _place(inputs, devices):
+    return [x.to(d, copy=True) for x, d in zip(inputs, devices)]
+
+
+def _sync(tensors):
+    if any(t.is_cuda for t in tensors):
+        torch.cuda.synchronize()
+
+
+class Unchanged:
+    """Remembers tensors' bytes; check() asserts the call left them alone."""
+
+    def __init__(self, named):
+        self.saved = [(name, t, bits(t).clone()) for name, t in named]
+
+    def check(self):
+        for name, t, before in self.saved:
+            assert torch.equal(bits(t), before), f"{name} was modified"
+
+
+def check_all_reduce(inputs, op, devices):
+    """Out of place: inputs unchanged, every output the ring model's bits."""
+    tensors = _place(inputs, devices)
+    outputs = [poison_like(t) for t in tensors]
+    kept = Unchanged((f"tensors[{i}]", t) for i, t in enumerate(tensors))
+    assert ringreduce.all_reduce(tensors, op, outputs=outputs) is outputs
+    _sync(outputs)
+    expected = ring_model(inputs, op)
+    for r, out in enumerate(outputs):
+        assert out.device == tensors[r].device
+        assert_same_bits(out, expected, f"all_reduce outputs[{r}]")
+    kept.check()
+    if expected.numel():
+        assert_close_to_wide(outputs[0], inputs, op)
+
+
+def check_reduce(inputs, op, devices, root, in_place):
+    """The root's output holds all_reduce's bits; nothing else changes."""
+    tensors = _place(inputs, devices)
+    output = None if in_place else poison_like(tensors[root])
+    kept = Unchanged((f"inputs[{i}]", t) for i, t in enumerate(tensors)
+                     if not (in_place and i == root))
+    result = ringreduce.reduce(tensors, output, root=root, op=op)
+    assert result is (tensors[root] if in_place else output)
+    _sync([result])
+    expected = ring_model(inputs, op)
+    assert_same_bits(result, expected, f"reduce to root {root}")
+    kept.check()
+    if expected.numel():
+        assert_close_to_wide(result, inputs, op)
+
+
+def check_reduce_scatter(inputs, op, devices, in_place=False):
+    """inputs: nranks blocks each; outputs[r] = block r reduced. Out of place the inputs stay
+    unchanged; in place outputs[r] is block r of inputs[r] and only that block changes."""
+    n = len(inputs)
+    tensors = _place(inputs, devices)
+    count = inputs[0].numel() // n
+    flat = [t.reshape(-1) for t in tensors]
+    if in_place:
+        outputs = [f[r * count:(r + 1) * count] for r, f in enumerate(flat)]
+        kept = Unchanged(
+            (f"inputs[{r}] outside block {r}", part) for r, f in enumerate(flat)
+            for part in (f[:r * count], f[(r + 1) * count:]))
+    else:
+        outputs = [poison_like(t, (count,)) for t in tensors]
+        kept = Unchanged((f"inputs[{i}]", t) for i, t in enumerate(tensors))
+    assert ringreduce.reduce_scatter(tensors, outputs, op=op) is outputs
+    _sync(outputs)
+    expected = reduce_scatter_model(inputs, op)
+    for r, out in enumerate(outputs):
+        assert_same_bits(out, expected[r], f"reduce_scatter outputs[{r}]")
+        if count:
+            blocks = [x.reshape(-1)[r * count:(r + 1) * count] for x in inputs]
+            assert_close_to_wide(out, blocks, op)
+    kept.check()
+
+
+def check_all_gather(inputs, devices, in_place=False):
+    """outputs[r] = the inputs concatenated; inputs unchanged."""
+    n = len(inputs)
+    tensors = _place(inputs, devices)
+    count = inputs[0].numel()
+    outputs = [poison_like(t, (n * count,)) for t in tensors]
+    if in_place:
+        tensors = [out[r * count:(r + 1) * count].view(inputs[r].shape)
+                   for r, out in enumerate(outputs)]
+        for t, x in zip(tensors, inputs):
+            t.copy_(x)
+    kept = Unchanged((f"inputs[{i}]", t) for i, t in enumerate(tensors))
+    assert ringreduce.all_gather(tensors, outputs) is outputs
+    _sync(outputs)
+    expected = all_gather_model(inputs)
+    for r, out in enumerate(outputs):
+        assert_same_bits(out, expected, f"all_gather outputs[{r}]")
+    kept.check()
+
+
+def check_broadcast(inputs, devices, root):
+    """Every tensor ends with inputs[root]'s bits."""
+    tensors = _place(inputs, devices)
+    for r, t in enumerate(tensors):
+        if r != root:
+            t.view(torch.uint8).fill_(POISON_BYTE)
+    assert ringreduce.broadcast(tensors, root=root) is tensors
+    _sync(tensors)
+    for r, t in enumerate(tensors):
+        assert_same_bits(t, inputs[root], f"broadcast from {root} into inputs[{r}]")
+
+
+def check_reducing_collectives(dtype, op, devices, generator, sizes):
+    """all_reduce (out of place), reduce (to the first and, in place, the last rank) and
+    reduce_scatter (in place for odd sizes) for each size, on fresh random inputs."""
+    n = len(devices)
+    for count in sizes:
+        def fresh(numel):
+            return random_inputs(n, numel, dtype, op, generator=generator)
+
+        check_all_reduce(fresh(count), op, devices)
+        check_reduce(fresh(count), op, devices, root=0, in_place=False)
+        check_reduce(fresh(count), op, devices, root=n - 1, in_place=True)
+        check_reduce_scatter(fresh(count * n), op, devices, in_place=count % 2 == 1)
+
+
+def check_copying_collectives(dtype, devices, generator, sizes):
+    """all_gather (in place for odd sizes) and broadcast from a few roots for each size."""
+    n = len(devices)
+    for count in sizes:
+        check_all_gather(random_inputs(n, count, dtype, "sum", generator=generator), devices,
+                         in_place=count % 2 == 1)
+        for root in sorted({0, n // 2, n - 1}):
+            check_broadcast(random_inputs(n, count, dtype, "sum", generator=generator), devices,
+                            root)

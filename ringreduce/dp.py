@@ -23,6 +23,7 @@ import time
 import torch
 import torch.nn.functional as F
 
+from .comm import pack_indices
 from .nccl import MULTI_RANK_MIN_VERSION, LibNccl
 
 METHODS = ("ring", "nccl", "naive")
@@ -211,18 +212,7 @@ def bucket_indices(numels, element_size, bucket_mb):
     order = list(reversed(range(len(numels))))
     if bucket_mb <= 0:
         return [[i] for i in order]
-    cap = bucket_mb * 1e6
-    buckets, current, size = [], [], 0
-    for i in order:
-        nbytes = numels[i] * element_size
-        if current and size + nbytes > cap:
-            buckets.append(current)
-            current, size = [], 0
-        current.append(i)
-        size += nbytes
-    if current:
-        buckets.append(current)
-    return buckets
+    return pack_indices(order, lambda i: numels[i] * element_size, bucket_mb * 1e6)
 
 
 class DataParallel:

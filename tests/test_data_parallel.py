@@ -14,6 +14,7 @@ from torch import nn
 
 import ringreduce
 from ringreduce import comm
+from ringreduce.dp import WrappedTrainer, WrapperUnavailable
 
 CPU = torch.device("cpu")
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(),
@@ -30,6 +31,7 @@ def integer_valued(shape, seed, dtype=torch.float32):
 
 def shares_memory(a, b):
     return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
+
 
 # ---------------------------------------------------------------- comm
 
@@ -130,6 +132,7 @@ def test_comm_timer_counts_the_collectives():
     comm.broadcast(torch.randn(10), [CPU] * 2)  # outside: not counted
     assert len(timer._marks) == 2 and timer.seconds() > 0
     assert timer.seconds() == 0.0  # read once
+
 
 # ---------------------------------------------------------------- replicate
 
@@ -365,10 +368,60 @@ def test_without_a_gpu_and_device_ids_the_module_is_called_directly():
     assert torch.equal(net(x), module(x))
     assert list(net.state_dict()) == ["module.weight", "module.bias"]
 
+
+# ---------------------------------------------------------------- trainer
+
+def test_wrapped_trainer_follows_the_replica_trainer():
+    from ringreduce.dp import DataParallel as ReplicaTrainer
+
+    torch.manual_seed(7)
+    model = nn.Sequential(nn.Conv2d(1, 3, 3), nn.BatchNorm2d(3), nn.ReLU(), nn.Flatten(),
+                          nn.Linear(3 * 4 * 4, 10)).double()
+    wrapped = WrappedTrainer(model, [CPU] * 2, "dataparallel", lr=0.1)
+    replicas = ReplicaTrainer(model, [CPU] * 2, "ring", lr=0.1)
+    wrapped.time_comm = True
+    g = torch.Generator().manual_seed(7)
+    for _ in range(2):
+        x = torch.randn(6, 1, 6, 6, generator=g, dtype=torch.float64)
+        y = torch.randint(0, 10, (6,), generator=g)
+        assert abs(wrapped.step(x, y).item() - replicas.step(x, y).item()) <= 1e-12
+    assert max_diff(wrapped.model.parameters(), replicas.replicas[0].parameters()) <= 1e-12
+    comm_seconds = wrapped.pop_comm_seconds()
+    assert len(comm_seconds) == 2 and all(s > 0 for s in comm_seconds)
+    assert 0.0 <= wrapped.evaluate(x, y, batch_size=4) <= 1.0
+    with pytest.raises(WrapperUnavailable, match="replicates only on CUDA GPUs"):
+        WrappedTrainer(model, [CPU] * 2, "nn-dataparallel")
+
+
+def run_cli(capsys, *args):
+    from ringreduce.train import main
+
+    rc = main(list(args))
+    captured = capsys.readouterr()
+    return rc, captured.out, captured.err
+
+
+def test_cli_trains_through_ringreduce_dataparallel(capsys):
+    # `python -m ringreduce.train` runs main(); tests/test_train.py covers the subprocess.
+    rc, out, err = run_cli(capsys, "--device", "cpu", "--ranks", "2", "--epochs", "1",
+                           "--batch-size", "8", "--train-size", "16", "--test-size", "8",
+                           "--image-size", "8", "--wrapper", "dataparallel", "--lr", "0.01")
+    assert rc == 0, err
+    assert "wrapper=dataparallel" in out and "sec/epoch on [cpu, cpu]" in out
+    assert "2/2 loss" in err
+    rc, out, err = run_cli(capsys, "--device", "cpu", "--wrapper", "nn-dataparallel")
+    assert rc == 2
+    assert "--wrapper nn-dataparallel cannot run here: torch.nn.DataParallel" in err
+    rc, out, err = run_cli(capsys, "--device", "cpu", "--wrapper", "dataparallel",
+                           "--allreduce", "naive")
+    assert rc == 2 and "applies to --wrapper replicas only" in err
+
+
 # ---------------------------------------------------------------- GPU
 
 def simulated_gpus(n=2):
     return [torch.device("cuda", 0)] * n
+
 
 @needs_cuda
 def test_cuda_comm_on_simulated_ranks():
@@ -385,6 +438,7 @@ def test_cuda_comm_on_simulated_ranks():
     chunks = comm.scatter(x, devices)
     assert all(c.device == devices[0] for c in chunks)
     assert torch.equal(comm.gather(chunks, 0, CPU), x)
+
 
 @needs_cuda
 def test_cuda_simulated_ranks_match_the_cpu_reference():

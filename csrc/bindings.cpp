@@ -67,24 +67,6 @@ void check_ranks(const std::string& fn, const std::string& list,
   }
 }
 
-rr::DType check_dtype(const std::string& fn, const std::string& list, const at::Tensor& t0) {
-  rr::DType dtype;
-  TORCH_CHECK_TYPE(rr::from_torch(t0.scalar_type(), &dtype), fn, ": ", list, " have dtype ",
-                   t0.scalar_type(), ", which is not supported (supported: ",
-                   rr::kSupportedDtypes, ")");
-  return dtype;
-}
-
-rr::Op check_op(const std::string& fn, const std::string& op_name, rr::DType dtype) {
-  rr::Op op;
-  TORCH_CHECK_VALUE(rr::op_from_name(op_name, &op), fn, ": op must be one of sum, avg, max, "
-                    "min, prod; got '", op_name, "'");
-  TORCH_CHECK_TYPE(op != rr::Op::Avg || rr::is_floating(dtype), fn, ": op 'avg' needs a "
-                   "floating-point dtype; got ", rr::dtype_name(dtype),
-                   " (use 'sum' and divide, or convert first)");
-  return op;
-}
-
 // `out` receives rank data of `in` (the rank's tensor in the list): same device and dtype,
 // dense, contiguous, `numel` elements (any shape, as torch.cuda.nccl).
 void check_output(const std::string& fn, const std::string& name, const at::Tensor& out,
@@ -319,13 +301,15 @@ std::vector<std::string> all_reduce(const std::vector<at::Tensor>& tensors,
   const std::string fn = "ringreduce.all_reduce";
   check_transport(fn, transport);
   check_ranks(fn, "tensors", tensors, outputs.empty());
-  const rr::DType dtype = check_dtype(fn, "tensors", tensors[0]);
-  const rr::Op op = check_op(fn, op_name, dtype);
+  const rr::DType dtype = rr::dtype_of(tensors[0], fn, "tensors");
+  const rr::Op op = rr::op_for(op_name, dtype, fn);
   const bool in_place = outputs.empty();
   if (!in_place) check_outputs(fn, outputs, "tensors", tensors, tensors[0].numel());
   std::vector<Region> regions;
   std::vector<Alias> aliases;
-  for (size_t i = 0; i < tensors.size(); ++i) regions.push_back(region(item("tensors", i), tensors[i]));
+  for (size_t i = 0; i < tensors.size(); ++i) {
+    regions.push_back(region(item("tensors", i), tensors[i]));
+  }
   for (size_t i = 0; i < outputs.size(); ++i) {
     regions.push_back(region(item("outputs", i), outputs[i]));
     aliases.push_back(Alias{tensors.size() + i, i, regions[i].lo});
@@ -349,13 +333,15 @@ std::vector<std::string> reduce(const std::vector<at::Tensor>& inputs,
   check_transport(fn, transport);
   check_ranks(fn, "inputs", inputs, false);
   const int root = check_root(fn, root_arg, inputs.size());
-  const rr::DType dtype = check_dtype(fn, "inputs", inputs[0]);
-  const rr::Op op = check_op(fn, op_name, dtype);
+  const rr::DType dtype = rr::dtype_of(inputs[0], fn, "inputs");
+  const rr::Op op = rr::op_for(op_name, dtype, fn);
   const at::Tensor output = output_arg ? *output_arg : inputs[size_t(root)];
   check_output(fn, "output", output, item("inputs", size_t(root)), inputs[size_t(root)],
                inputs[0].numel());
   std::vector<Region> regions;
-  for (size_t i = 0; i < inputs.size(); ++i) regions.push_back(region(item("inputs", i), inputs[i]));
+  for (size_t i = 0; i < inputs.size(); ++i) {
+    regions.push_back(region(item("inputs", i), inputs[i]));
+  }
   regions.push_back(region("output", output));
   check_disjoint(fn, regions, {Alias{inputs.size(), size_t(root), regions[size_t(root)].lo}},
                  " (output may be inputs[root] itself)");
@@ -379,9 +365,11 @@ std::vector<std::string> broadcast(const std::vector<at::Tensor>& tensors, int64
   check_transport(fn, transport);
   check_ranks(fn, "inputs", tensors, true);
   const int root = check_root(fn, root_arg, tensors.size());
-  const rr::DType dtype = check_dtype(fn, "inputs", tensors[0]);
+  const rr::DType dtype = rr::dtype_of(tensors[0], fn, "inputs");
   std::vector<Region> regions;
-  for (size_t i = 0; i < tensors.size(); ++i) regions.push_back(region(item("inputs", i), tensors[i]));
+  for (size_t i = 0; i < tensors.size(); ++i) {
+    regions.push_back(region(item("inputs", i), tensors[i]));
+  }
   check_disjoint(fn, regions, {}, "");
   check_device_support(fn, tensors);
   check_streams(fn, streams, tensors, "inputs");
@@ -421,7 +409,7 @@ std::vector<std::string> all_gather(const std::vector<at::Tensor>& inputs,
   const std::string fn = "ringreduce.all_gather";
   check_transport(fn, transport);
   check_ranks(fn, "inputs", inputs, false);
-  const rr::DType dtype = check_dtype(fn, "inputs", inputs[0]);
+  const rr::DType dtype = rr::dtype_of(inputs[0], fn, "inputs");
   const int64_t count = inputs[0].numel();
   const int nranks = int(inputs.size());
   check_outputs(fn, outputs, "inputs", inputs, count * nranks);
@@ -443,8 +431,8 @@ std::vector<std::string> reduce_scatter(const std::vector<at::Tensor>& inputs,
   const std::string fn = "ringreduce.reduce_scatter";
   check_transport(fn, transport);
   check_ranks(fn, "inputs", inputs, false);
-  const rr::DType dtype = check_dtype(fn, "inputs", inputs[0]);
-  const rr::Op op = check_op(fn, op_name, dtype);
+  const rr::DType dtype = rr::dtype_of(inputs[0], fn, "inputs");
+  const rr::Op op = rr::op_for(op_name, dtype, fn);
   const int nranks = int(inputs.size());
   const int64_t count = inputs[0].numel() / nranks;
   TORCH_CHECK_VALUE(inputs[0].numel() % nranks == 0, fn, ": every input must hold one block "

@@ -1,4 +1,5 @@
-// torch <-> ringreduce names for dtypes and operators, shared by the bindings (torch side only).
+// torch <-> ringreduce names for dtypes and operators, and the rules on them, shared by the
+// bindings (torch side only).
 #pragma once
 
 #include <torch/extension.h>
@@ -10,7 +11,8 @@
 namespace rr {
 
 constexpr const char* kSupportedDtypes =
-    "float32, float64, float16, bfloat16, int32, int64, int8, uint8";
+    "float32, float64, float16, bfloat16, int32, int64, int8, uint8, bool";
+constexpr const char* kOpNames = "sum, avg, max, min, prod, band, bor, bxor";
 
 // False for a dtype no executor supports.
 inline bool from_torch(at::ScalarType t, DType* out) {
@@ -23,19 +25,39 @@ inline bool from_torch(at::ScalarType t, DType* out) {
     case at::kLong: *out = DType::I64; return true;
     case at::kChar: *out = DType::I8; return true;
     case at::kByte: *out = DType::U8; return true;
+    case at::kBool: *out = DType::Bool; return true;
     default: return false;
   }
 }
 
 // False for a name that is not one of op_name()'s.
 inline bool op_from_name(const std::string& name, Op* out) {
-  for (Op op : {Op::Sum, Op::Avg, Op::Max, Op::Min, Op::Prod}) {
+  for (Op op : {Op::Sum, Op::Avg, Op::Max, Op::Min, Op::Prod, Op::BAnd, Op::BOr, Op::BXor}) {
     if (name == op_name(op)) {
       *out = op;
       return true;
     }
   }
   return false;
+}
+
+// The tensor's dtype, or a TypeError prefixed with `fn` naming the argument `arg`.
+inline DType dtype_of(const at::Tensor& t, const std::string& fn, const std::string& arg) {
+  DType dtype;
+  TORCH_CHECK_TYPE(from_torch(t.scalar_type(), &dtype), fn, ": dtype ", t.scalar_type(), " of ",
+                   arg, " is not supported (supported: ", kSupportedDtypes, ")");
+  return dtype;
+}
+
+// The operator named `name` if it is defined on `dtype` (types.h: op_supported); otherwise a
+// ValueError (unknown name) or TypeError (wrong dtype) prefixed with `fn`.
+inline Op op_for(const std::string& name, DType dtype, const std::string& fn) {
+  Op op;
+  TORCH_CHECK_VALUE(op_from_name(name, &op), fn, ": op must be one of ", kOpNames, "; got '",
+                    name, "'");
+  TORCH_CHECK_TYPE(op_supported(op, dtype), fn, ": op '", name, "' ", op_requirement(op),
+                   "; got ", dtype_name(dtype));
+  return op;
 }
 
 }  // namespace rr

@@ -19,14 +19,15 @@ except ImportError as exc:  # pragma: no cover - only without a build
 __all__ = ["all_reduce", "reduce", "broadcast", "all_gather", "reduce_scatter", "parse_op",
            "build_info", "peer_access", "OPS", "SUPPORTED_DTYPES"]
 
-OPS = ("sum", "avg", "max", "min", "prod")
+OPS = ("sum", "avg", "max", "min", "prod", "band", "bor", "bxor")
 
 SUPPORTED_DTYPES = (
     torch.float32, torch.float64, torch.float16, torch.bfloat16,
-    torch.int32, torch.int64, torch.int8, torch.uint8,
+    torch.int32, torch.int64, torch.int8, torch.uint8, torch.bool,
 )
 
-_REDUCE_OP_NAMES = {"SUM": "sum", "AVG": "avg", "MAX": "max", "MIN": "min", "PRODUCT": "prod"}
+_REDUCE_OP_NAMES = {"SUM": "sum", "AVG": "avg", "MAX": "max", "MIN": "min", "PRODUCT": "prod",
+                    "BAND": "band", "BOR": "bor", "BXOR": "bxor"}
 
 _warned_staged = set()
 
@@ -46,7 +47,7 @@ def parse_op(op):
                     return name
     raise ValueError(
         f"ringreduce: op must be one of {', '.join(OPS)} or the matching "
-        f"torch.distributed.ReduceOp (SUM, AVG, MAX, MIN, PRODUCT); got {op!r}")
+        f"torch.distributed.ReduceOp ({', '.join(_REDUCE_OP_NAMES)}); got {op!r}")
 
 
 def _tensor_list(fn, name, value):

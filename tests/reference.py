@@ -7,14 +7,24 @@
 - ``reduce_scatter_model``: the same for reduce_scatter, whose block c is combined in the order
   c+1, c+2, ..., c (NCCL's ring: the block ends on its own rank).
 - ``wide_reference``: the mathematical reduction in float64 (floats) or with exact integer
-  wrap-around (ints), for tolerance checks that do not share the ring's reduction order.
+  wrap-around (ints; avg is that wrapped sum divided by N, truncated toward zero, as NCCL),
+  for checks that do not share the ring's reduction order. bool follows torch: sum and max
+  are logical or, prod and min logical and.
 """
+import functools
+
 import torch
 
 FLOAT_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
 INT_DTYPES = (torch.int32, torch.int64, torch.int8, torch.uint8)
-ALL_DTYPES = FLOAT_DTYPES + INT_DTYPES
-OPS = ("sum", "avg", "max", "min", "prod")
+ALL_DTYPES = FLOAT_DTYPES + INT_DTYPES + (torch.bool,)
+ARITHMETIC_OPS = ("sum", "avg", "max", "min", "prod")
+BITWISE_OPS = ("band", "bor", "bxor")
+OPS = ARITHMETIC_OPS + BITWISE_OPS
+# bool ops that behave as logical or / and
+_ANY_OPS = ("sum", "max", "bor")
+_ALL_OPS = ("prod", "min", "band")
+_BITWISE = {"band": torch.bitwise_and, "bor": torch.bitwise_or, "bxor": torch.bitwise_xor}
 
 # Relative error bound per hop for each float dtype (unit roundoff).
 UNIT_ROUNDOFF = {torch.float32: 2.0**-24, torch.float64: 2.0**-53,
@@ -22,15 +32,23 @@ UNIT_ROUNDOFF = {torch.float32: 2.0**-24, torch.float64: 2.0**-53,
 
 
 def valid_ops(dtype):
-    return OPS if dtype.is_floating_point else tuple(o for o in OPS if o != "avg")
+    if dtype.is_floating_point:
+        return ARITHMETIC_OPS
+    if dtype == torch.bool:
+        return tuple(o for o in OPS if o != "avg")
+    return OPS
 
 
 def random_inputs(nranks, count, dtype, op, device="cpu", generator=None):
-    """Random, never-zero inputs; products stay small so floats do not overflow."""
+    """Random, never-zero inputs; products stay small so floats do not overflow. bool inputs
+    are mostly True for and-like ops and mostly False for or-like ones, so results vary."""
     g = generator
     out = []
     for _ in range(nranks):
-        if dtype.is_floating_point:
+        if dtype == torch.bool:
+            p_true = 0.9 if op in _ALL_OPS else 0.15 if op in _ANY_OPS else 0.5
+            t = torch.rand(count, generator=g) < p_true
+        elif dtype.is_floating_point:
             if op == "prod":
                 mag = torch.rand(count, generator=g, dtype=torch.float64) * 0.5 + 0.75
             else:
@@ -61,7 +79,12 @@ def _combine(op, mine, incoming, dtype, last, nranks):
     """One hop in the arithmetic type: fp32 for 16-bit floats, the dtype itself otherwise."""
     acc = torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
     a, b = mine.to(acc), incoming.to(acc)
-    if op in ("sum", "avg"):
+    if dtype == torch.bool:
+        r = (torch.logical_or(a, b) if op in _ANY_OPS else
+             torch.logical_and(a, b) if op in _ALL_OPS else torch.logical_xor(a, b))
+    elif op in BITWISE_OPS:
+        r = _BITWISE[op](a, b)
+    elif op in ("sum", "avg"):
         r = a + b
     elif op == "prod":
         r = a * b
@@ -72,8 +95,13 @@ def _combine(op, mine, incoming, dtype, last, nranks):
         better = (b > a) if op == "max" else (b < a)
         r = torch.where(torch.isnan(a) | ~(better | torch.isnan(b)), a, b)
     if op == "avg" and last:
-        r = r / nranks
+        r = r / nranks if acc.is_floating_point else _int_avg(r, nranks)
     return r.to(dtype)
+
+
+def _int_avg(wrapped_sum, nranks):
+    """NCCL's integer average: the sum wrapped in the dtype, divided truncating toward zero."""
+    return torch.div(wrapped_sum.to(torch.int64), nranks, rounding_mode="trunc")
 
 
 def _ring_chunk(x, op, lo, hi, first):
@@ -114,10 +142,21 @@ def all_gather_model(inputs):
 def wide_reference(inputs, op):
     """float64 for float dtypes; exact integer arithmetic wrapped to the dtype for ints."""
     dtype = inputs[0].dtype
+    if dtype == torch.bool:
+        s = torch.stack([t.detach().cpu() for t in inputs])
+        if op in _ANY_OPS:
+            return s.any(0)
+        if op in _ALL_OPS:
+            return s.all(0)
+        return s.to(torch.int64).sum(0) % 2 == 1
     wide = torch.float64 if dtype.is_floating_point else torch.int64
     s = torch.stack([t.detach().cpu().to(wide) for t in inputs])
-    if op == "sum":
+    if op in BITWISE_OPS:
+        r = functools.reduce(_BITWISE[op], s.unbind(0))
+    elif op == "sum":
         r = s.sum(0)
+    elif op == "avg" and not dtype.is_floating_point:
+        r = _int_avg(s.sum(0).to(dtype), len(inputs))
     elif op == "avg":
         r = s.mean(0)
     elif op == "max":

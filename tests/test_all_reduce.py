@@ -96,6 +96,55 @@ def test_reduce_op_enum_equals_string(op):
     assert ringreduce.parse_op(dist.ReduceOp(enum)) == op
 
 
+@pytest.mark.parametrize("op", ["band", "bor", "bxor"])
+def test_bitwise_reduce_op_enum_equals_string(op):
+    enum = {"band": dist.ReduceOp.BAND, "bor": dist.ReduceOp.BOR, "bxor": dist.ReduceOp.BXOR}[op]
+    g = torch.Generator().manual_seed(12)
+    inputs = random_inputs(3, 50, torch.int64, op, generator=g)
+    a = [t.clone() for t in inputs]
+    b = [t.clone() for t in inputs]
+    ringreduce.all_reduce(a, op.upper())
+    ringreduce.all_reduce(b, enum)
+    assert torch.equal(a[0], b[0]) and torch.equal(a[0], ring_model(inputs, op))
+    assert ringreduce.parse_op(enum) == op
+
+
+def test_integer_avg_wraps_then_truncates_toward_zero():
+    # NCCL's integer average: the sum wraps in the dtype, then divides by N toward zero
+    cases = [  # sums: int8 201 -> -55, -13, 15, 255 -> -1; int32 -5, 2**31 -> -2**31, 15, -3
+        (torch.int8, [[100, -7, 7, 127]] * 2 + [[1, 1, 1, 1]], [-18, -4, 5, 0]),
+        (torch.int32, [[-3, 2**31 - 1, 5, -1], [-1, 1, 5, -1], [-1, 0, 5, -1]],
+         [-1, -715827882, 5, -1]),
+        (torch.uint8, [[200, 1, 3, 255], [100, 1, 3, 255]], [22, 1, 3, 127]),
+    ]
+    for dtype, rows, expected in cases:
+        tensors = [torch.tensor(r, dtype=dtype) for r in rows]
+        ringreduce.all_reduce(tensors, "avg")
+        for t in tensors:
+            assert t.tolist() == expected, f"{dtype}: {t.tolist()} != {expected}"
+
+
+def test_integer_avg_divides_by_rank_counts_beyond_the_dtype():
+    # 200 ranks of int8: the divisor does not fit in int8
+    tensors = [torch.tensor([1, -1, 2, 0], dtype=torch.int8) for _ in range(200)]
+    ringreduce.all_reduce(tensors, "avg")
+    expected = torch.tensor([200 - 256, 256 - 200, 400 - 512, 0]) // 1
+    expected = torch.div(expected, 200, rounding_mode="trunc").to(torch.int8)
+    assert torch.equal(tensors[7], expected)
+
+
+def test_bool_results_are_canonical_bytes():
+    # bytes other than 0 and 1 read as True; every result is written as exactly 0 or 1
+    raw = [torch.tensor([0, 2, 255, 1, 0, 7], dtype=torch.uint8),
+           torch.tensor([3, 0, 128, 1, 0, 0], dtype=torch.uint8)]
+    for op, expected in (("sum", [1, 1, 1, 1, 0, 1]), ("prod", [0, 0, 1, 1, 0, 0]),
+                         ("bxor", [1, 1, 0, 0, 0, 1]), ("min", [0, 0, 1, 1, 0, 0])):
+        tensors = [r.clone().view(torch.bool) for r in raw]
+        ringreduce.all_reduce(tensors, op)
+        for t in tensors:
+            assert t.view(torch.uint8).tolist() == expected, op
+
+
 def test_nan_propagates_through_max_and_min():
     for op in ("max", "min"):
         tensors = [torch.tensor([1.0, 2.0, 3.0]), torch.tensor([float("nan"), 5.0, -1.0]),

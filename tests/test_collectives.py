@@ -39,8 +39,8 @@ def test_reduce_gives_all_reduce_bits_on_every_root():
     reduced = [t.clone() for t in inputs]
     ringreduce.all_reduce(reduced)
     for root in range(5):
-        out = ringreduce.reduce([t.clone() for t in inputs], torch.empty(4099, dtype=torch.bfloat16),
-                                root=root)
+        out = torch.empty(4099, dtype=torch.bfloat16)
+        ringreduce.reduce([t.clone() for t in inputs], out, root=root)
         assert torch.equal(out.view(torch.int16), reduced[0].view(torch.int16))
 
 

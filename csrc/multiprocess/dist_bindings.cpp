@@ -26,21 +26,11 @@ namespace {
 using rr::dist::HostGroup;
 
 rr::DType to_dtype(const at::Tensor& t, const char* fn, const char* arg) {
-  rr::DType dtype;
-  TORCH_CHECK_TYPE(rr::from_torch(t.scalar_type(), &dtype), "ringreduce ", fn, ": ", arg,
-                   " has dtype ", t.scalar_type(), ", which the reduction does not support "
-                   "(supported: ", rr::kSupportedDtypes, ")");
-  return dtype;
+  return rr::dtype_of(t, std::string("ringreduce ") + fn, arg);
 }
 
 rr::Op to_op(const std::string& op, rr::DType dtype, const char* fn) {
-  rr::Op o;
-  TORCH_CHECK_VALUE(rr::op_from_name(op, &o), "ringreduce ", fn, ": op must be one of sum, avg, "
-                    "max, min, prod; got '", op, "'");
-  TORCH_CHECK_TYPE(o != rr::Op::Avg || rr::is_floating(dtype), "ringreduce ", fn, ": op 'avg' "
-                   "needs a floating-point dtype; got ", rr::dtype_name(dtype),
-                   " (use SUM and divide, or convert first)");
-  return o;
+  return rr::op_for(op, dtype, std::string("ringreduce ") + fn);
 }
 
 void check_dense(const at::Tensor& t, const char* fn, const char* arg) {

@@ -11,7 +11,7 @@ template <typename T, Op op>
 void combine_typed(T* dst, const T* own, const T* src, int64_t n, bool last, int nranks) {
   using R = Reducer<T, op>;
   if (op == Op::Avg && last) {
-    const typename R::A divisor = typename R::A(nranks);
+    const typename R::D divisor = typename R::D(nranks);
     for (int64_t i = 0; i < n; ++i) dst[i] = R::last_step(own[i], src[i], divisor);
   } else {
     for (int64_t i = 0; i < n; ++i) dst[i] = R::step(own[i], src[i]);

@@ -34,7 +34,7 @@ struct StepParams {
 };
 
 template <typename T, Op op, bool kReduce, bool kLast>
-__device__ __forceinline__ T apply(T mine, T incoming, typename Acc<T>::type divisor) {
+__device__ __forceinline__ T apply(T mine, T incoming, typename Reducer<T, op>::D divisor) {
   if (!kReduce) return incoming;
   if (kLast) return Reducer<T, op>::last_step(mine, incoming, divisor);
   return Reducer<T, op>::step(mine, incoming);
@@ -45,13 +45,13 @@ __device__ __forceinline__ T apply(T mine, T incoming, typename Acc<T>::type div
 // only on the tensors' own alignment), element by element otherwise and for the tail.
 template <typename T, Op op, bool kReduce, bool kLast>
 __global__ void __launch_bounds__(kThreads) step_kernel(const __grid_constant__ StepParams p) {
-  using A = typename Acc<T>::type;
+  using D = typename Reducer<T, op>::D;
   const Task& task = p.task[blockIdx.y];
   T* dst = static_cast<T*>(task.dst);
   const T* own = task.own != nullptr ? static_cast<const T*>(task.own) : dst;
   const T* src = static_cast<const T*>(task.src);
   const int64_t n = task.n;
-  const A divisor = A(p.nranks);
+  const D divisor = D(p.nranks);
   const int64_t stride = int64_t(gridDim.x) * blockDim.x;
   const int64_t tid = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
   constexpr int kVec = 16 / int(sizeof(T));

@@ -4,6 +4,9 @@
 
 #include <cstdint>
 #include <cstring>
+#include <stdexcept>
+#include <string>
+#include <type_traits>
 
 #if defined(__CUDACC__)
 #include <cuda_bf16.h>
@@ -27,8 +30,8 @@
 
 namespace rr {
 
-enum class DType : int { F32 = 0, F64, F16, BF16, I32, I64, I8, U8 };
-enum class Op : int { Sum = 0, Avg, Max, Min, Prod };
+enum class DType : int { F32 = 0, F64, F16, BF16, I32, I64, I8, U8, Bool };
+enum class Op : int { Sum = 0, Avg, Max, Min, Prod, BAnd, BOr, BXor };
 
 inline int64_t elem_size(DType t) {
   switch (t) {
@@ -39,7 +42,8 @@ inline int64_t elem_size(DType t) {
     case DType::F16:
     case DType::BF16: return 2;
     case DType::I8:
-    case DType::U8: return 1;
+    case DType::U8:
+    case DType::Bool: return 1;
   }
   return 0;
 }
@@ -58,6 +62,7 @@ inline const char* dtype_name(DType t) {
     case DType::I64: return "int64";
     case DType::I8: return "int8";
     case DType::U8: return "uint8";
+    case DType::Bool: return "bool";
   }
   return "?";
 }
@@ -69,8 +74,34 @@ inline const char* op_name(Op op) {
     case Op::Max: return "max";
     case Op::Min: return "min";
     case Op::Prod: return "prod";
+    case Op::BAnd: return "band";
+    case Op::BOr: return "bor";
+    case Op::BXor: return "bxor";
   }
   return "?";
+}
+
+inline bool is_bitwise(Op op) { return op == Op::BAnd || op == Op::BOr || op == Op::BXor; }
+
+// Which (op, dtype) pairs exist: bitwise operators need integers or bool; avg needs numbers
+// (on integers it divides the wrapped sum by the rank count, truncating toward zero, as NCCL).
+// The bindings reject every other pair before dispatch, and RR_DISPATCH instantiates only
+// these.
+inline bool op_supported(Op op, DType t) {
+  if (is_bitwise(op)) return !is_floating(t);
+  if (op == Op::Avg) return t != DType::Bool;
+  return true;
+}
+
+// What op_supported requires of the dtype, for error messages.
+inline const char* op_requirement(Op op) {
+  return is_bitwise(op) ? "needs an integer or bool dtype" : "needs a numeric dtype, not bool";
+}
+
+// Reached only if a caller skipped op_supported: an internal error, never a user's.
+[[noreturn]] inline void unsupported_pair(DType t, Op op) {
+  throw std::logic_error(std::string("ringreduce internal error: op '") + op_name(op) +
+                         "' on " + dtype_name(t) + " reached dispatch (op_supported rejects it)");
 }
 
 // 16-bit floats are carried as raw bits so that host and device code share one definition.
@@ -80,6 +111,9 @@ inline const char* op_name(Op op) {
 // copies bits and adds no rounding.
 struct half_bits { uint16_t x; };
 struct bf16_bits { uint16_t x; };
+// torch's bool is one byte holding 0 or 1. Carried as that byte and read as "not zero", so a
+// result is always written as exactly 0 or 1.
+struct bool_bits { uint8_t x; };
 
 RR_HD uint32_t f32_bits(float f) { uint32_t u; std::memcpy(&u, &f, 4); return u; }
 RR_HD float bits_f32(uint32_t u) { float f; std::memcpy(&f, &u, 4); return f; }
@@ -150,14 +184,17 @@ RR_HD half_bits half_from_float(float f) {
 template <typename T> struct Acc { using type = T; };
 template <> struct Acc<half_bits> { using type = float; };
 template <> struct Acc<bf16_bits> { using type = float; };
+template <> struct Acc<bool_bits> { using type = bool; };
 
 template <typename T> RR_HD typename Acc<T>::type load_acc(T v) { return v; }
 RR_HD float load_acc(half_bits v) { return to_float(v); }
 RR_HD float load_acc(bf16_bits v) { return to_float(v); }
+RR_HD bool load_acc(bool_bits v) { return v.x != 0; }
 
 template <typename T> RR_HD T store_acc(typename Acc<T>::type v) { return v; }
 template <> RR_HD half_bits store_acc<half_bits>(float v) { return half_from_float(v); }
 template <> RR_HD bf16_bits store_acc<bf16_bits>(float v) { return bf16_from_float(v); }
+template <> RR_HD bool_bits store_acc<bool_bits>(bool v) { return bool_bits{uint8_t(v ? 1 : 0)}; }
 
 // Integer sum and product wrap modulo 2^bits like torch's integer arithmetic; they go through
 // the unsigned type because signed overflow is undefined behaviour in C++.
@@ -190,42 +227,86 @@ template <typename A> struct Combine<A, Op::Max> {
   static RR_HD A apply(A a, A b) { return is_nan(a) ? a : (is_nan(b) ? b : (b > a ? b : a)); } };
 template <typename A> struct Combine<A, Op::Min> {
   static RR_HD A apply(A a, A b) { return is_nan(a) ? a : (is_nan(b) ? b : (b < a ? b : a)); } };
+template <typename A> struct Combine<A, Op::BAnd> {
+  static RR_HD A apply(A a, A b) { return A(a & b); } };
+template <typename A> struct Combine<A, Op::BOr> {
+  static RR_HD A apply(A a, A b) { return A(a | b); } };
+template <typename A> struct Combine<A, Op::BXor> {
+  static RR_HD A apply(A a, A b) { return A(a ^ b); } };
+// bool as torch defines its reductions: sum and max are logical or, prod and min logical and.
+struct LogicalOr { static RR_HD bool apply(bool a, bool b) { return a || b; } };
+struct LogicalAnd { static RR_HD bool apply(bool a, bool b) { return a && b; } };
+template <> struct Combine<bool, Op::Sum> : LogicalOr {};
+template <> struct Combine<bool, Op::Max> : LogicalOr {};
+template <> struct Combine<bool, Op::BOr> : LogicalOr {};
+template <> struct Combine<bool, Op::Prod> : LogicalAnd {};
+template <> struct Combine<bool, Op::Min> : LogicalAnd {};
+template <> struct Combine<bool, Op::BAnd> : LogicalAnd {};
+template <> struct Combine<bool, Op::BXor> {
+  static RR_HD bool apply(bool a, bool b) { return a != b; } };
 
 // One element of one reduce-scatter hop: dst = combine(dst, src), and on the last hop of an
-// average the division by the rank count happens before the single rounding to T.
+// average the division by the rank count happens before the single rounding to T. Floats
+// divide in their arithmetic type; integers divide the sum (wrapped in T) by the rank count as
+// int64, truncating toward zero (NCCL's integer average; int64 so that any rank count fits).
 template <typename T, Op op> struct Reducer {
   using A = typename Acc<T>::type;
+  using D = std::conditional_t<std::is_floating_point<A>::value, A, int64_t>;  // divisor
   static RR_HD T step(T mine, T incoming) {
     return store_acc<T>(Combine<A, op>::apply(load_acc(mine), load_acc(incoming)));
   }
-  static RR_HD T last_step(T mine, T incoming, A divisor) {
+  static RR_HD T last_step(T mine, T incoming, D divisor) {
     A r = Combine<A, op>::apply(load_acc(mine), load_acc(incoming));
-    if (op == Op::Avg) r = r / divisor;
+    if constexpr (op == Op::Avg) r = A(r / divisor);
     return store_acc<T>(r);
   }
 };
 
 }  // namespace rr
 
-// Runs the statement with T and kOp bound to the runtime (dtype, op) pair. Every pair is
-// instantiated, Avg on integer types too; the bindings reject that pair before dispatch.
-#define RR_DISPATCH_OP(T, OP, ...)                                                         \
+// Runs the statement with T and kOp bound to the runtime (dtype, op) pair. Only the pairs
+// op_supported allows are instantiated (bitwise operators on floats do not compile); any other
+// pair reaching here is an internal error, since the bindings reject it first.
+#define RR_OP_CASE(NAME, ...)                                                              \
+  case ::rr::Op::NAME: { constexpr ::rr::Op kOp = ::rr::Op::NAME; __VA_ARGS__; } break;
+
+#define RR_DISPATCH_OPS_FLOAT(DT, OP, ...)                                                  \
   switch (OP) {                                                                             \
-    case ::rr::Op::Sum: { constexpr ::rr::Op kOp = ::rr::Op::Sum; __VA_ARGS__; } break;    \
-    case ::rr::Op::Avg: { constexpr ::rr::Op kOp = ::rr::Op::Avg; __VA_ARGS__; } break;    \
-    case ::rr::Op::Max: { constexpr ::rr::Op kOp = ::rr::Op::Max; __VA_ARGS__; } break;    \
-    case ::rr::Op::Min: { constexpr ::rr::Op kOp = ::rr::Op::Min; __VA_ARGS__; } break;    \
-    case ::rr::Op::Prod: { constexpr ::rr::Op kOp = ::rr::Op::Prod; __VA_ARGS__; } break;  \
+    RR_OP_CASE(Sum, __VA_ARGS__) RR_OP_CASE(Avg, __VA_ARGS__) RR_OP_CASE(Max, __VA_ARGS__)  \
+    RR_OP_CASE(Min, __VA_ARGS__) RR_OP_CASE(Prod, __VA_ARGS__)                              \
+    default: ::rr::unsupported_pair(DT, OP);                                                \
   }
+
+#define RR_DISPATCH_OPS_INT(DT, OP, ...)                                                    \
+  switch (OP) {                                                                             \
+    RR_OP_CASE(Sum, __VA_ARGS__) RR_OP_CASE(Avg, __VA_ARGS__) RR_OP_CASE(Max, __VA_ARGS__)  \
+    RR_OP_CASE(Min, __VA_ARGS__) RR_OP_CASE(Prod, __VA_ARGS__) RR_OP_CASE(BAnd, __VA_ARGS__) \
+    RR_OP_CASE(BOr, __VA_ARGS__) RR_OP_CASE(BXor, __VA_ARGS__)                              \
+  }
+
+#define RR_DISPATCH_OPS_BOOL(DT, OP, ...)                                                   \
+  switch (OP) {                                                                             \
+    RR_OP_CASE(Sum, __VA_ARGS__) RR_OP_CASE(Max, __VA_ARGS__) RR_OP_CASE(Min, __VA_ARGS__)  \
+    RR_OP_CASE(Prod, __VA_ARGS__) RR_OP_CASE(BAnd, __VA_ARGS__) RR_OP_CASE(BOr, __VA_ARGS__) \
+    RR_OP_CASE(BXor, __VA_ARGS__)                                                           \
+    default: ::rr::unsupported_pair(DT, OP);                                                \
+  }
+
+#define RR_DISPATCH_TYPE(KIND, DT, TYPE, OP, ...)                                           \
+  case ::rr::DType::DT: {                                                                   \
+    using T = TYPE;                                                                         \
+    RR_DISPATCH_OPS_##KIND(::rr::DType::DT, OP, __VA_ARGS__)                                \
+  } break;
 
 #define RR_DISPATCH(DT, OP, ...)                                                           \
   switch (DT) {                                                                             \
-    case ::rr::DType::F32: { using T = float; RR_DISPATCH_OP(T, OP, __VA_ARGS__) } break;   \
-    case ::rr::DType::F64: { using T = double; RR_DISPATCH_OP(T, OP, __VA_ARGS__) } break;  \
-    case ::rr::DType::F16: { using T = ::rr::half_bits; RR_DISPATCH_OP(T, OP, __VA_ARGS__) } break; \
-    case ::rr::DType::BF16: { using T = ::rr::bf16_bits; RR_DISPATCH_OP(T, OP, __VA_ARGS__) } break; \
-    case ::rr::DType::I32: { using T = int32_t; RR_DISPATCH_OP(T, OP, __VA_ARGS__) } break; \
-    case ::rr::DType::I64: { using T = int64_t; RR_DISPATCH_OP(T, OP, __VA_ARGS__) } break; \
-    case ::rr::DType::I8: { using T = int8_t; RR_DISPATCH_OP(T, OP, __VA_ARGS__) } break;   \
-    case ::rr::DType::U8: { using T = uint8_t; RR_DISPATCH_OP(T, OP, __VA_ARGS__) } break;  \
+    RR_DISPATCH_TYPE(FLOAT, F32, float, OP, __VA_ARGS__)                                    \
+    RR_DISPATCH_TYPE(FLOAT, F64, double, OP, __VA_ARGS__)                                   \
+    RR_DISPATCH_TYPE(FLOAT, F16, ::rr::half_bits, OP, __VA_ARGS__)                          \
+    RR_DISPATCH_TYPE(FLOAT, BF16, ::rr::bf16_bits, OP, __VA_ARGS__)                         \
+    RR_DISPATCH_TYPE(INT, I32, int32_t, OP, __VA_ARGS__)                                    \
+    RR_DISPATCH_TYPE(INT, I64, int64_t, OP, __VA_ARGS__)                                    \
+    RR_DISPATCH_TYPE(INT, I8, int8_t, OP, __VA_ARGS__)                                      \
+    RR_DISPATCH_TYPE(INT, U8, uint8_t, OP, __VA_ARGS__)                                     \
+    RR_DISPATCH_TYPE(BOOL, Bool, ::rr::bool_bits, OP, __VA_ARGS__)                          \
   }

@@ -292,18 +292,19 @@ std::vector<at::Tensor> concat(std::vector<at::Tensor> a, const std::vector<at::
   return defined(std::move(a));
 }
 
-// outputs empty: in place. Otherwise outputs[r] may be tensors[r] itself (in place for that
+// No outputs: in place. Otherwise outputs[r] may be tensors[r] itself (in place for that
 // rank) and must not overlap anything else.
 std::vector<std::string> all_reduce(const std::vector<at::Tensor>& tensors,
-                                    const std::vector<at::Tensor>& outputs,
+                                    const std::optional<std::vector<at::Tensor>>& outputs_arg,
                                     const std::string& op_name, const Streams& streams,
                                     const std::string& transport) {
   const std::string fn = "ringreduce.all_reduce";
+  const bool in_place = !outputs_arg;
+  const std::vector<at::Tensor> outputs = in_place ? std::vector<at::Tensor>() : *outputs_arg;
   check_transport(fn, transport);
-  check_ranks(fn, "tensors", tensors, outputs.empty());
+  check_ranks(fn, "tensors", tensors, in_place);
   const rr::DType dtype = rr::dtype_of(tensors[0], fn, "tensors");
   const rr::Op op = rr::op_for(op_name, dtype, fn);
-  const bool in_place = outputs.empty();
   if (!in_place) check_outputs(fn, outputs, "tensors", tensors, tensors[0].numel());
   std::vector<Region> regions;
   std::vector<Alias> aliases;

@@ -131,7 +131,7 @@ def all_reduce(tensors, op="sum", *, outputs=None, streams=None, comms=None):
             "ringreduce.all_reduce: op is the second positional argument; pass the output "
             "tensors as outputs=[...] (torch.cuda.nccl.all_reduce takes them positionally)")
     tensors_list = _tensor_list("all_reduce", "tensors", tensors)
-    outputs_list = [] if outputs is None else _tensor_list("all_reduce", "outputs", outputs)
+    outputs_list = None if outputs is None else _tensor_list("all_reduce", "outputs", outputs)
     _no_comms("all_reduce", comms)
     _warn_staged(_C.all_reduce(tensors_list, outputs_list, parse_op(op),
                                _streams("all_reduce", streams), _transport()))

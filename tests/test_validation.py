@@ -168,6 +168,7 @@ def _outs(n=3, count=8, dtype=torch.float32):
 
 @pytest.mark.parametrize("outputs,exc,match", [
     (lambda: _outs(2), ValueError, r"outputs must hold one tensor per rank.*got 2"),
+    (lambda: [], ValueError, r"outputs must hold one tensor per rank.*got 0"),
     (lambda: _outs(count=9), ValueError, r"outputs\[0\] must have 8 elements"),
     (lambda: _outs(dtype=torch.float64), TypeError, r"outputs\[0\] must have the dtype"),
     (lambda: _outs()[:2] + [torch.empty(8, device="meta")], ValueError,

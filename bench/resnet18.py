@@ -15,8 +15,12 @@ methods' results; #wrong counts the elements that fail.
 
 Part 2, the training step: DataParallel steps (forward and backward on every replica, the
 bucketed exchange, SGD) with each method; median step time, median time in the exchange and
-its share of the step. Checked: replicas bitwise identical after the steps, and parameters
-after the first step close to the first method's. Exits 1 when anything is wrong.
+its share of the step. Then the same steps the d2l way, the model wrapped in
+ringreduce.DataParallel (row ring-dp: parameters broadcast at every forward and gradients
+reduced onto the first rank, both on the ring; comm = the time in those collectives) and, on
+distinct GPUs, torch.nn.DataParallel (row nn-dp; its communication is not timed). Checked:
+replicas bitwise identical after the steps, and parameters after the first step close to the
+first row's. Exits 1 when anything is wrong.
 """
 
 import argparse
@@ -36,10 +40,13 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 from ringreduce.dp import (DEFAULT_BUCKET_MB, METHODS, DataParallel, NcclUnavailable,
-                           bucket_indices, make_all_reduce, parse_devices)
+                           WrappedTrainer, bucket_indices, make_all_reduce,
+                           nn_dataparallel_skip_reason, parse_devices)
 from ringreduce.models import resnet18
 
 FP32_UNIT_ROUNDOFF = 2.0 ** -24
+# Step rows for the module wrappers: ringreduce.DataParallel and torch.nn.DataParallel.
+WRAPPER_ROWS = {"dataparallel": "ring-dp", "nn-dataparallel": "nn-dp"}
 
 
 def parse_args(argv=None):
@@ -53,6 +60,9 @@ def parse_args(argv=None):
                         "on one GPU); 2 on CPU")
     p.add_argument("--methods", default=",".join(METHODS),
                    help="comma-separated subset of %(default)s")
+    p.add_argument("--wrappers", default=",".join(WRAPPER_ROWS),
+                   help="training-step rows for module wrappers, a comma-separated subset of "
+                        "%(default)s (rows ring-dp and nn-dp; empty for none)")
     p.add_argument("--bucket-mb", type=float, default=DEFAULT_BUCKET_MB)
     p.add_argument("--iters", type=int, default=20 if cuda else 5)
     p.add_argument("--warmup", type=int, default=5 if cuda else 1)
@@ -70,6 +80,10 @@ def parse_args(argv=None):
     for m in args.methods:
         if m not in METHODS:
             p.error(f"--methods: {m!r} is not one of {', '.join(METHODS)}")
+    args.wrappers = [w.strip() for w in args.wrappers.split(",") if w.strip()]
+    for w in args.wrappers:
+        if w not in WRAPPER_ROWS:
+            p.error(f"--wrappers: {w!r} is not one of {', '.join(WRAPPER_ROWS)}")
     for name in ("iters", "batch_size", "image_size"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1")
@@ -223,18 +237,23 @@ STEP_HEADER = (f"{'method':>7} {'step(ms)':>9} {'comm(ms)':>9} {'compute(ms)':>1
                f"{'comm share':>10} {'#wrong':>7}")
 
 
-def bench_steps(args, devices, methods):
+def bench_steps(args, devices, methods, wrappers=()):
     steps = args.step_warmup + args.steps
     g = torch.Generator().manual_seed(args.seed)
     batches = [(torch.randn(args.batch_size, 1, args.image_size, args.image_size, generator=g),
                 torch.randint(0, 10, (args.batch_size,), generator=g)) for _ in range(steps)]
+    runs = [(m, lambda model, m=m: DataParallel(model, devices, m, lr=0.01,
+                                                bucket_mb=args.bucket_mb)) for m in methods]
+    runs += [(WRAPPER_ROWS[w], lambda model, w=w: WrappedTrainer(model, devices, w, lr=0.01))
+             for w in wrappers]
     rows, first_params = [], None
     # Parameters after the first step differ between methods only by the exchange's rounding;
     # later steps amplify that (a ReLU input near zero flips), so the methods are compared
     # there. Replicas of one method stay bitwise identical through all the steps.
-    for method in methods:
+    for label, make in runs:
         torch.manual_seed(args.seed)
-        dp = DataParallel(resnet18(1, 10), devices, method, lr=0.01, bucket_mb=args.bucket_mb)
+        dp = make(resnet18(1, 10))
+        model = dp.model if isinstance(dp, WrappedTrainer) else dp.replicas[0]
         step_times = []
         for i, (x, y) in enumerate(batches):
             dp.time_comm = i >= args.step_warmup
@@ -245,25 +264,33 @@ def bench_steps(args, devices, methods):
             if dp.time_comm:
                 step_times.append(time.perf_counter() - start)
             if i == 0:
-                params = [p.detach().cpu().clone() for p in dp.replicas[0].parameters()]
+                params = [p.detach().cpu().clone() for p in model.parameters()]
         comm_times = dp.pop_comm_seconds()
         wrong = 0
-        for m in dp.replicas[1:]:
+        for m in getattr(dp, "replicas", [model])[1:]:
             wrong += sum(int((p != q).sum()) for p, q in
-                         zip(dp.replicas[0].parameters(), m.parameters()))
+                         zip(model.parameters(), m.parameters()))
         if first_params is None:
             first_params = params
         else:
             wrong += sum(int((~torch.isclose(p, q, rtol=1e-5, atol=1e-6)).sum())
                          for p, q in zip(params, first_params))
-        step, comm = statistics.median(step_times), statistics.median(comm_times)
-        rows.append({"method": method, "step_ms": step * 1e3, "comm_ms": comm * 1e3,
-                     "compute_ms": (step - comm) * 1e3, "comm_share": comm / step,
+        step = statistics.median(step_times)
+        # torch.nn.DataParallel's communication (torch.cuda.comm) is not instrumented.
+        comm = statistics.median(comm_times) if comm_times else None
+        rows.append({"method": label, "step_ms": step * 1e3,
+                     "comm_ms": None if comm is None else comm * 1e3,
+                     "compute_ms": None if comm is None else (step - comm) * 1e3,
+                     "comm_share": None if comm is None else comm / step,
                      "wrong": wrong, "step_times_ms": [t * 1e3 for t in step_times],
                      "comm_times_ms": [t * 1e3 for t in comm_times]})
         r = rows[-1]
-        print(f"{method:>7} {r['step_ms']:>9.2f} {r['comm_ms']:>9.2f} {r['compute_ms']:>11.2f} "
-              f"{100 * r['comm_share']:>9.1f}% {wrong:>7}", flush=True)
+        if comm is None:
+            timing = f"{'n/a':>9} {'n/a':>11} {'n/a':>10}"
+        else:
+            timing = (f"{r['comm_ms']:>9.2f} {r['compute_ms']:>11.2f} "
+                      f"{100 * r['comm_share']:>9.1f}%")
+        print(f"{label:>7} {r['step_ms']:>9.2f} {timing} {wrong:>7}", flush=True)
     return rows
 
 
@@ -303,6 +330,14 @@ def main(argv=None):
         except NcclUnavailable as e:
             skipped[m] = str(e)
             print(f"# {m}: skipped: {e}")
+    wrappers = []
+    for w in args.wrappers:
+        reason = nn_dataparallel_skip_reason(devices) if w == "nn-dataparallel" else None
+        if reason is None:
+            wrappers.append(w)
+        else:
+            skipped[WRAPPER_ROWS[w]] = reason
+            print(f"# {WRAPPER_ROWS[w]}: skipped: {reason}")
     print(f"# exchange: median of {args.iters} after {args.warmup} warm-up; "
           f"bucket {args.bucket_mb:g} MB")
     print(EXCHANGE_HEADER)
@@ -311,9 +346,10 @@ def main(argv=None):
     if args.steps > 0:
         print(f"# training step: batch {args.batch_size} of 1x{args.image_size}x"
               f"{args.image_size}, median of {args.steps} after {args.step_warmup} warm-up; "
-              f"comm = the bucketed gradient exchange inside the step")
+              f"comm = the bucketed gradient exchange inside the step (ring-dp: the "
+              f"parameter broadcast and the gradient reduction)")
         print(STEP_HEADER)
-        step_rows = bench_steps(args, devices, list(methods))
+        step_rows = bench_steps(args, devices, list(methods), wrappers)
     wrong = sum(r["wrong"] for r in exchange + step_rows)
     print(f"# {'OK' if wrong == 0 else f'FAILED: {wrong} wrong elements'}")
     if args.json:

@@ -12,6 +12,10 @@ replica. The method is the only thing that differs between runs:
 
 Gradients live in flat per-replica buckets (DDP's gradient_as_bucket_view): one all-reduce per
 bucket of at most `bucket_mb` megabytes, or one per parameter with bucket_mb=0.
+
+WrappedTrainer trains the d2l way instead: one model wrapped in ringreduce.DataParallel
+("dataparallel") or torch.nn.DataParallel ("nn-dataparallel"), which replicate it at every
+forward and sum the replicas' gradients into it in backward.
 """
 
 import contextlib
@@ -23,9 +27,11 @@ import time
 import torch
 import torch.nn.functional as F
 
+from .comm import pack_indices
 from .nccl import MULTI_RANK_MIN_VERSION, LibNccl
 
 METHODS = ("ring", "nccl", "naive")
+WRAPPERS = ("replicas", "dataparallel", "nn-dataparallel")
 DEFAULT_BUCKET_MB = 25.0
 # Bound on the wait for NCCL's probe all-reduce (its first call, which connects the ranks): a
 # rank that never joins must become an error naming it, not a hang.
@@ -211,21 +217,23 @@ def bucket_indices(numels, element_size, bucket_mb):
     order = list(reversed(range(len(numels))))
     if bucket_mb <= 0:
         return [[i] for i in order]
-    cap = bucket_mb * 1e6
-    buckets, current, size = [], [], 0
-    for i in order:
-        nbytes = numels[i] * element_size
-        if current and size + nbytes > cap:
-            buckets.append(current)
-            current, size = [], 0
-        current.append(i)
-        size += nbytes
-    if current:
-        buckets.append(current)
-    return buckets
+    return pack_indices(order, lambda i: numels[i] * element_size, bucket_mb * 1e6)
 
 
-class DataParallel:
+class _Ranks:
+    """What both trainers share: ``devices``, one per rank, and ``_cuda``."""
+
+    @property
+    def num_ranks(self):
+        return len(self.devices)
+
+    def synchronize(self):
+        if self._cuda:
+            for d in dict.fromkeys(self.devices):
+                torch.cuda.synchronize(d)
+
+
+class DataParallel(_Ranks):
     """Replicas of `model` on `devices`, trained in lockstep with a swappable gradient all-reduce.
 
     step(x, y) splits the minibatch across the replicas, runs forward and backward on every
@@ -278,10 +286,6 @@ class DataParallel:
                          else None)
         self.time_comm = False
         self._comm_marks = []
-
-    @property
-    def num_ranks(self):
-        return len(self.devices)
 
     def train(self):
         for m in self.replicas:
@@ -385,11 +389,6 @@ class DataParallel:
         self._comm_marks = []
         return out
 
-    def synchronize(self):
-        if self._cuda:
-            for d in dict.fromkeys(self.devices):
-                torch.cuda.synchronize(d)
-
     def sync_buffers(self):
         """Average floating-point buffers (BatchNorm running statistics) across the replicas
         with this run's all-reduce; afterwards every replica holds bitwise the same buffers."""
@@ -422,4 +421,111 @@ class DataParallel:
             yb = y[start:start + batch_size].to(device, non_blocking=True)
             correct += (model(xb).argmax(dim=1) == yb).sum()
         model.train(was_training)
+        return correct.item() / max(1, len(y))
+
+
+class WrapperUnavailable(RuntimeError):
+    """The module wrapper cannot run on these ranks; the message says why."""
+
+
+def nn_dataparallel_skip_reason(devices):
+    """Why torch.nn.DataParallel cannot train on these ranks, or None."""
+    if any(d.type != "cuda" for d in devices):
+        return ("torch.nn.DataParallel replicates only on CUDA GPUs (without one it calls the "
+                f"module directly); these ranks are on {sorted({str(d) for d in devices})}")
+    if len(set(devices)) < len(devices):
+        return ("torch.nn.DataParallel takes one replica per GPU (distinct device ids); these "
+                f"ranks are {[str(d) for d in devices]} ({len(set(devices))} GPU(s))")
+    return None
+
+
+class WrappedTrainer(_Ranks):
+    """The d2l way: ``model`` on the first rank's device, wrapped in ringreduce.DataParallel
+    ("dataparallel") or torch.nn.DataParallel ("nn-dataparallel") over ``devices``, with one
+    SGD optimizer over the wrapper's parameters. The interface of DataParallel above.
+
+    step(x, y) is d2l's loop body: zero_grad, the wrapper's forward (scatter, replicate,
+    parallel apply, gather), the full-batch mean cross-entropy, backward (the replicas'
+    gradients summed into the model), step. BatchNorm normalises with each replica's shard
+    statistics; the running statistics are those of the first replica (nn.DataParallel's
+    rule), so there is nothing to synchronise before evaluation.
+
+    time_comm = True: the time spent in ringreduce.comm's collectives (the broadcast of
+    parameters and buffers, the gradient reduction) is recorded per step ("dataparallel"
+    only; torch.cuda.comm is not instrumented).
+    """
+
+    def __init__(self, model, devices, wrapper="dataparallel", lr=0.1, momentum=0.0,
+                 weight_decay=0.0):
+        if not devices:
+            raise ValueError("devices must list at least one rank")
+        self.devices = list(devices)
+        self.wrapper = wrapper
+        if wrapper == "nn-dataparallel":
+            reason = nn_dataparallel_skip_reason(self.devices)
+            if reason is not None:
+                raise WrapperUnavailable(reason)
+        elif wrapper != "dataparallel":
+            raise ValueError(f"wrapper must be dataparallel or nn-dataparallel, got {wrapper!r}")
+        self.model = copy.deepcopy(model).to(self.devices[0])
+        if wrapper == "dataparallel":
+            import ringreduce
+
+            self.net = ringreduce.DataParallel(self.model, device_ids=self.devices)
+        else:
+            self.net = torch.nn.DataParallel(self.model,
+                                             device_ids=[d.index for d in self.devices])
+        self.optimizer = torch.optim.SGD(self.net.parameters(), lr=lr, momentum=momentum,
+                                         weight_decay=weight_decay)
+        self._cuda = self.devices[0].type == "cuda"
+        self.time_comm = False
+        self._timers = []
+
+    def train(self):
+        self.net.train()
+
+    def eval(self):
+        self.net.eval()
+
+    def step(self, x, y):
+        """One training step on the minibatch (x, y); returns the full-batch mean loss as a
+        0-d tensor on the first rank's device (not synchronised)."""
+        if len(y) < self.num_ranks:
+            raise ValueError(f"a minibatch of {len(y)} samples cannot feed {self.num_ranks} "
+                             "ranks")
+        if self._cuda and x.device.type == "cpu":
+            x, y = x.pin_memory(), y.pin_memory()
+        timer = None
+        if self.time_comm and self.wrapper == "dataparallel":
+            from .comm import CommTimer
+
+            timer = CommTimer()
+            self._timers.append(timer)
+        self.optimizer.zero_grad()
+        with timer if timer is not None else contextlib.nullcontext():
+            out = self.net(x)
+            loss = F.cross_entropy(out, y.to(out.device, non_blocking=True))
+            loss.backward()
+        self.optimizer.step()
+        return loss.detach()
+
+    def pop_comm_seconds(self):
+        """Seconds spent in the ring's collectives, per step since the last call (needs
+        time_comm = True and the "dataparallel" wrapper)."""
+        out = [t.seconds() for t in self._timers]
+        self._timers = []
+        return out
+
+    @torch.no_grad()
+    def evaluate(self, x, y, batch_size=256):
+        """Accuracy of the wrapped model on (x, y), evaluated through the wrapper (as d2l's
+        evaluate_accuracy_gpu does); restores the mode."""
+        was_training = self.net.training
+        self.net.eval()
+        correct = torch.zeros((), dtype=torch.int64, device=self.devices[0])
+        for start in range(0, len(y), batch_size):
+            out = self.net(x[start:start + batch_size])
+            yb = y[start:start + batch_size].to(out.device, non_blocking=True)
+            correct += (out.argmax(dim=1) == yb).sum().to(correct.device)
+        self.net.train(was_training)
         return correct.item() / max(1, len(y))

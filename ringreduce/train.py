@@ -2,6 +2,7 @@
 
     python -m ringreduce.train --allreduce ring                  # synthetic data, all defaults
     python -m ringreduce.train --data ~/fashion-mnist --device cuda --ranks 4 --allreduce nccl
+    python -m ringreduce.train --wrapper dataparallel            # the d2l way, on the ring
 
 Prints a progress bar during each epoch (stderr) and then, on stdout,
 `test acc: 0.91, 12.2 sec/epoch on [cuda:0, cuda:1]` (seconds of training, evaluation excluded).
@@ -14,7 +15,9 @@ import time
 import torch
 
 from .data import load_fashion_mnist, minibatches, synthetic_dataset
-from .dp import DEFAULT_BUCKET_MB, METHODS, DataParallel, NcclUnavailable, parse_devices
+from .dp import (DEFAULT_BUCKET_MB, METHODS, WRAPPERS, DataParallel, NcclUnavailable,
+                 WrappedTrainer, WrapperUnavailable, nn_dataparallel_skip_reason,
+                 parse_devices)
 from .models import resnet18
 
 
@@ -38,6 +41,13 @@ def build_parser():
     p.add_argument("--allreduce", choices=METHODS, default="ring",
                    help="gradient all-reduce: ring (ringreduce), nccl, or naive (sum on rank 0, "
                         "copy back); default: ring")
+    p.add_argument("--wrapper", choices=WRAPPERS, default="replicas",
+                   help="replicas: one persistent replica per rank, gradients all-reduced "
+                        "(--allreduce); dataparallel: the model wrapped in "
+                        "ringreduce.DataParallel, replicated at every forward, gradients "
+                        "reduced onto the first rank over the ring (d2l's nn.DataParallel "
+                        "code); nn-dataparallel: torch.nn.DataParallel (distinct GPUs only); "
+                        "default: replicas")
     p.add_argument("--data", default=None, metavar="DIR",
                    help="folder with the Fashion-MNIST IDX files (train-images-idx3-ubyte[.gz] "
                         "...); default: the built-in synthetic dataset")
@@ -108,24 +118,37 @@ def check_args(args):
         raise ValueError(f"--lr must be > 0, got {args.lr}")
     if args.max_steps is not None and args.max_steps < 1:
         raise ValueError(f"--max-steps must be >= 1, got {args.max_steps}")
+    if args.wrapper != "replicas" and args.allreduce != "ring":
+        raise ValueError(f"--allreduce {args.allreduce} applies to --wrapper replicas only "
+                         f"(--wrapper {args.wrapper} has its own communication)")
+
+
+def make_trainer(args, model, devices):
+    if args.wrapper == "replicas":
+        return DataParallel(model, devices, all_reduce=args.allreduce, lr=args.lr,
+                            momentum=args.momentum, bucket_mb=args.bucket_mb)
+    return WrappedTrainer(model, devices, wrapper=args.wrapper, lr=args.lr,
+                          momentum=args.momentum)
 
 
 def train(args, out=sys.stdout, progress_stream=sys.stderr):
     """Run the training the parsed `args` describe; returns the last epoch's test accuracy."""
     check_args(args)
     devices = parse_devices(args.device, args.ranks)
+    if args.wrapper == "nn-dataparallel" and nn_dataparallel_skip_reason(devices):
+        raise WrapperUnavailable(nn_dataparallel_skip_reason(devices))
     if args.batch_size < len(devices):
         raise ValueError(f"--batch-size {args.batch_size} is smaller than the {len(devices)} "
                          f"ranks it is split across")
     data = load_data(args)
     torch.manual_seed(args.seed)
     model = resnet18(in_channels=data.image_shape[0], num_classes=data.num_classes)
-    dp = DataParallel(model, devices, all_reduce=args.allreduce, lr=args.lr,
-                      momentum=args.momentum, bucket_mb=args.bucket_mb)
+    dp = make_trainer(args, model, devices)
     device_list = "[" + ", ".join(str(d) for d in devices) + "]"
-    print(f"ResNet-18 on {data.describe()}; {len(devices)} ranks {device_list}, "
-          f"allreduce={args.allreduce}, batch {args.batch_size}, lr {args.lr}", file=out,
-          flush=True)
+    how = (f"allreduce={args.allreduce}" if args.wrapper == "replicas"
+           else f"wrapper={args.wrapper}")
+    print(f"ResNet-18 on {data.describe()}; {len(devices)} ranks {device_list}, {how}, "
+          f"batch {args.batch_size}, lr {args.lr}", file=out, flush=True)
     shuffle = torch.Generator().manual_seed(args.seed)
     steps = (len(data.train_y) + args.batch_size - 1) // args.batch_size
     if args.max_steps is not None:
@@ -163,6 +186,10 @@ def main(argv=None):
         train(args)
     except NcclUnavailable as e:
         print(f"ringreduce.train: --allreduce nccl cannot run here: {e}", file=sys.stderr)
+        return 2
+    except WrapperUnavailable as e:
+        print(f"ringreduce.train: --wrapper {args.wrapper} cannot run here: {e}",
+              file=sys.stderr)
         return 2
     except (ValueError, FileNotFoundError) as e:
         print(f"ringreduce.train: {e}", file=sys.stderr)

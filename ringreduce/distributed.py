@@ -6,9 +6,11 @@ After ``import ringreduce`` (which calls :func:`register_backend`)::
     dist.init_process_group("cpu:gloo,cuda:ringreduce", ...)   # accepted too, see below
 
 and ``dist.all_reduce``, ``broadcast``, ``all_gather`` (list, ``all_gather_into_tensor``),
-``reduce_scatter`` (list, ``reduce_scatter_tensor``), ``reduce``, ``barrier`` and
-``DistributedDataParallel`` run on it unchanged. Other collectives (send/recv, gather,
-scatter, all_to_all) raise a ``RuntimeError`` that names them.
+``reduce_scatter`` (list, ``reduce_scatter_tensor``), ``reduce``, ``barrier``, ``gather``,
+``scatter``, ``all_to_all``, ``all_to_all_single`` (equal or uneven splits), ``send``/``recv``,
+``isend``/``irecv``, ``recv`` from any source, ``batch_isend_irecv``, the object collectives,
+``torch.distributed.checkpoint`` and ``DistributedDataParallel`` run on it unchanged
+(``monitored_barrier`` is gloo's only: torch refuses it on other backends).
 
 How it works: one process per rank, all on one host. Each rank creates a POSIX shared-memory
 segment, the names go through the process group's store, every rank maps every peer's
@@ -36,6 +38,12 @@ is ``wait()`` right away, as torch does for every backend. ``RINGREDUCE_ASYNC=0`
 collective inline in the calling thread (on CUDA, on the caller's stream): the behaviour before
 the engine, kept for comparison and debugging.
 
+Point-to-point (send, recv, isend, irecv, recv from any source) runs on a second thread per
+group, started by the rank's first such call (_P2PEngine, csrc/multiprocess/p2p.h): per-pair
+rings in the shared segments, messages matched per (sender, tag) in send order, sends complete
+once their bytes are in the ring, and no operation waits behind a collective or another
+operation. gather, scatter, all-to-all and point-to-point stage CUDA tensors through host memory.
+
 Torch (2.13 and earlier) cannot bind a backend written in Python to a single device of a
 group, so with ``"cpu:gloo,cuda:ringreduce"`` the ringreduce group also serves CPU tensors
 (through shared memory); gloo is not used.
@@ -47,6 +55,8 @@ collective; larger tensors go in rounds); ``RINGREDUCE_ASYNC`` (default 1).
 """
 import collections
 import datetime
+import itertools
+import math
 import os
 import queue
 import secrets
@@ -65,6 +75,8 @@ DEFAULT_CUDA_BUFFER_BYTES = 32 << 20
 SUPPORTED_COLLECTIVES = (
     "all_reduce", "all_reduce_coalesced", "broadcast", "all_gather", "all_gather_into_tensor",
     "all_gather_coalesced", "reduce_scatter", "reduce_scatter_tensor", "reduce", "barrier",
+    "gather", "scatter", "all_to_all", "all_to_all_single", "send", "recv", "isend", "irecv",
+    "recv_anysource", "batch_isend_irecv",
 )
 
 __all__ = ["register_backend", "RingReduceProcessGroup", "RingReduceWork", "BACKEND_NAME",
@@ -136,6 +148,11 @@ def _seconds(timeout):
     if isinstance(timeout, datetime.timedelta):
         return timeout.total_seconds()
     return float(timeout)
+
+
+def _host_copy(tensor):
+    """A contiguous host copy (from CUDA: waits for the current stream)."""
+    return torch.empty(tensor.shape, dtype=tensor.dtype).copy_(tensor)
 
 
 def _unsupported(name):
@@ -349,6 +366,157 @@ class _Engine:
                        "s); a peer's GPU work it waits for may never complete")
 
 
+class _P2PJob:
+    __slots__ = ("work", "send", "tensor", "peer", "tag", "ready", "host")
+
+    def __init__(self, work, send, tensor, peer, tag, ready):
+        self.work, self.send, self.tensor, self.peer, self.tag = work, send, tensor, peer, tag
+        self.ready = ready
+        self.host = None
+
+
+class _P2PEngine:
+    """The point-to-point thread of a group: sends and receives (csrc/multiprocess/p2p.h).
+
+    They do not go through the collectives' queue: a send waiting for its receiver, or a
+    receive waiting for its message, must not hold up the collectives queued behind it, nor
+    wait behind a collective whose peer is itself blocked in a receive. This thread posts them
+    to the C++ side, which moves all of them at once without blocking on any one, and completes
+    their Works in the order they finish. Started by a rank's first point-to-point call.
+
+    CUDA tensors are staged through host memory on an internal stream per device: a send copies
+    its tensor to the host after the work queued before it on the caller's stream; a receive
+    copies the message to the device when it has arrived, and its Work.wait() makes the
+    caller's stream wait for that copy.
+    """
+
+    _STOP = object()
+
+    def __init__(self, pg):
+        self._pg = pg
+        self._comm = pg._comm
+        self._queue = queue.SimpleQueue()
+        self._jobs = {}  # id -> _P2PJob, posted and not finished
+        self._ids = itertools.count(1)
+        self._streams = {}
+        self._streams_lock = threading.Lock()
+        self._thread = threading.Thread(target=self._loop, daemon=True,
+                                        name=f"ringreduce-p2p-rank{pg._rank}")
+        self._thread.start()
+
+    def stream(self, device):
+        with self._streams_lock:
+            if device.index not in self._streams:
+                self._streams[device.index] = torch.cuda.Stream(device=device)
+            return self._streams[device.index]
+
+    def submit(self, job):
+        if not self._thread.is_alive():
+            raise RuntimeError(f"ringreduce {job.work._name}: the process group was destroyed")
+        self._queue.put(job)
+        self._comm.p2p_interrupt()
+
+    def stop(self, deadline):
+        """Lets pending operations finish until `deadline` (monotonic seconds); after it, fails
+        the group so that they fail at once. Returns when the thread has ended."""
+        self._queue.put(self._STOP)
+        self._comm.p2p_interrupt()
+        self._thread.join(max(0.0, deadline - time.monotonic()))
+        if self._thread.is_alive():
+            self._pg._fail("the process group was shut down with point-to-point operations "
+                           "still pending")
+            self._thread.join(5.0)
+
+    def _loop(self):
+        stopping = False
+        while True:
+            while True:
+                try:
+                    job = self._queue.get_nowait()
+                except queue.Empty:
+                    break
+                if job is self._STOP:
+                    stopping = True
+                else:
+                    self._post(job)
+            if (stopping and not self._jobs) or self._comm.closed:
+                self._abandon()
+                return
+            try:
+                done = self._comm.p2p_progress(1.0)
+            except BaseException as exc:  # noqa: B902 - e.g. out of memory: fails the group
+                for job in self._jobs.values():
+                    self._fail(job, exc)
+                self._jobs.clear()
+                continue
+            for op_id, peer, error in done:
+                self._complete(self._jobs.pop(op_id), peer, error)
+
+    def _abandon(self):
+        """On exit: fails what is still posted or queued (a submit racing with shutdown)."""
+        jobs = list(self._jobs.values())
+        self._jobs.clear()
+        while True:
+            try:
+                job = self._queue.get_nowait()
+            except queue.Empty:
+                break
+            if job is not self._STOP:
+                jobs.append(job)
+        for job in jobs:
+            job.work._finish(None, error=RuntimeError(
+                f"ringreduce: {job.work._name} on rank {self._pg._rank}: the process group was "
+                "destroyed before it completed"))
+
+    def _post(self, job):
+        t = job.tensor
+        try:
+            if t.is_cuda:
+                stream = self.stream(t.device)
+                with torch.cuda.device(t.device), torch.cuda.stream(stream):
+                    stream.wait_event(job.ready)
+                    # The copy to pageable host memory waits for the stream, so for `ready`.
+                    job.host = (_host_copy(t) if job.send
+                                else torch.empty(t.shape, dtype=t.dtype))
+            elif t.is_contiguous():
+                job.host = t
+            else:
+                job.host = t.contiguous() if job.send else torch.empty(t.shape, dtype=t.dtype)
+            op_id = next(self._ids)
+            self._comm.p2p_post(op_id, job.send, job.host, job.peer, job.tag,
+                                str(t.dtype).replace("torch.", ""))
+            self._jobs[op_id] = job
+        except BaseException as exc:  # noqa: B902 - every failure fails the group
+            self._fail(job, exc)
+
+    def _complete(self, job, peer, error):
+        work = job.work
+        if error is not None:
+            work._finish(None, error=RuntimeError(error))
+            return
+        if not job.send:
+            work._source = peer
+        try:
+            if job.send or job.host is job.tensor:
+                work._finish(work._outputs)
+            elif job.tensor.is_cuda:
+                stream = self.stream(job.tensor.device)
+                with torch.cuda.device(job.tensor.device), torch.cuda.stream(stream):
+                    job.tensor.copy_(job.host)
+                    end = torch.cuda.Event()
+                    end.record(stream)
+                    work._finish(work._outputs, end=end)
+            else:
+                job.tensor.copy_(job.host)
+                work._finish(work._outputs)
+        except BaseException as exc:  # noqa: B902
+            self._fail(job, exc)
+
+    def _fail(self, job, exc):
+        self._pg._fail(f"ringreduce: {job.work._name} on rank {self._pg._rank} failed: {exc}")
+        job.work._finish(None, error=exc)
+
+
 class RingReduceProcessGroup(_ProcessGroup):
     """One rank of a ringreduce process group (created by ``init_process_group``/``new_group``)."""
 
@@ -448,8 +616,11 @@ class RingReduceProcessGroup(_ProcessGroup):
         if self._shut:
             return
         self._shut = True
+        deadline = time.monotonic() + self._timeout_s
         if self._engine is not None:
-            self._engine.stop(time.monotonic() + self._timeout_s)
+            self._engine.stop(deadline)
+        if self._p2p is not None:
+            self._p2p.stop(deadline)
         self._comm.close()
 
     def abort(self):
@@ -519,11 +690,16 @@ class RingReduceProcessGroup(_ProcessGroup):
 
     def _check_like(self, name, outputs, tensor):
         """Every output matches the input in dtype, element count and device."""
-        for i, o in enumerate(outputs):
-            if o.dtype != tensor.dtype or o.numel() != tensor.numel() or o.device != tensor.device:
-                raise ValueError(f"ringreduce {name}: output[{i}] is {o.numel()} elements of "
-                                 f"{o.dtype} on {o.device}; the input is {tensor.numel()} of "
-                                 f"{tensor.dtype} on {tensor.device}")
+        self._check_same(name, outputs, "output", tensor, "input")
+
+    @staticmethod
+    def _check_same(name, tensors, arg, ref, ref_arg):
+        """Every tensor of the list `arg` matches `ref` in dtype, element count and device."""
+        for i, o in enumerate(tensors):
+            if o.dtype != ref.dtype or o.numel() != ref.numel() or o.device != ref.device:
+                raise ValueError(f"ringreduce {name}: {arg}[{i}] is {o.numel()} elements of "
+                                 f"{o.dtype} on {o.device}; the {ref_arg} is {ref.numel()} of "
+                                 f"{ref.dtype} on {ref.device}")
 
     def _check_root(self, name, root):
         if not 0 <= root < self._world_size:
@@ -743,12 +919,176 @@ class RingReduceProcessGroup(_ProcessGroup):
             device = torch.device("cuda", torch.cuda.current_device())
         return self._submit("barrier", self._comm.barrier, [], [], device)
 
-    send = _unsupported("send")
-    recv = _unsupported("recv")
-    recv_anysource = _unsupported("recv_anysource")
-    gather = _unsupported("gather")
-    scatter = _unsupported("scatter")
-    alltoall = _unsupported("all_to_all")
-    alltoall_base = _unsupported("all_to_all_single")
-    all_to_all_single = _unsupported("all_to_all_single")
+    # gather, scatter and all-to-all move bytes: any dtype. CUDA tensors are staged through
+    # host memory inside the engine (on its internal stream: copied out, the CPU collective,
+    # copied back), the simplest correct path.
+
+    @staticmethod
+    def _host_call(fn, inputs, outputs):
+        """fn(host_inputs, host_outputs) with contiguous CPU tensors standing in for `inputs`
+        and `outputs`: contiguous CPU tensors themselves, copies of the others. Copies from
+        CUDA wait for the current stream; outputs are copied back after fn."""
+        ins = [t if t.is_contiguous() and not t.is_cuda else _host_copy(t) for t in inputs]
+        outs = [t if t.is_contiguous() and not t.is_cuda else
+                torch.empty(t.shape, dtype=t.dtype) for t in outputs]
+        fn(ins, outs)
+        for t, h in zip(outputs, outs):
+            if h is not t:
+                t.copy_(h)
+
+    def _root_list(self, name, lists, root, arg):
+        """The root's list of one tensor per rank (torch passes [list] there, [] or [[]]
+        elsewhere); [] on the other ranks, which must not pass one."""
+        if self._rank != root:
+            if any(len(x) for x in lists):
+                raise ValueError(f"ringreduce {name}: only the root (rank {root}) passes a "
+                                 f"{arg}; rank {self._rank} passed one")
+            return []
+        tensors = list(self._one(lists, name))
+        if len(tensors) != self._world_size:
+            raise ValueError(f"ringreduce {name}: the {arg} must hold one tensor per rank "
+                             f"({self._world_size}); got {len(tensors)}")
+        self._check(name, tensors, arg=arg)
+        return tensors
+
+    def gather(self, output_tensors, input_tensors, opts=None):
+        root = opts.rootRank if opts is not None else 0
+        self._check_root("gather", root)
+        tensor = self._one(input_tensors, "gather")
+        self._check("gather", [tensor], arg="input")
+        outputs = self._root_list("gather", output_tensors, root, "gather_list")
+        self._check_same("gather", outputs, "gather_list", tensor, "input")
+        return self._submit("gather", lambda: self._host_call(
+            lambda ins, outs: self._comm.gather(outs, ins[0], root), [tensor], outputs),
+            output_tensors, [tensor, *outputs])
+
+    def scatter(self, output_tensors, input_tensors, opts=None):
+        root = opts.rootRank if opts is not None else 0
+        self._check_root("scatter", root)
+        output = self._one(output_tensors, "scatter")
+        self._check("scatter", [output], arg="output")
+        inputs = self._root_list("scatter", input_tensors, root, "scatter_list")
+        self._check_same("scatter", inputs, "scatter_list", output, "output")
+        return self._submit("scatter", lambda: self._host_call(
+            lambda ins, outs: self._comm.scatter(outs[0], ins, root), inputs, [output]),
+            output_tensors, [output, *inputs])
+
+    def alltoall(self, output_tensors, input_tensors, opts=None):
+        name = "all_to_all"
+        for tensors, arg in ((output_tensors, "output_tensor_list"),
+                             (input_tensors, "input_tensor_list")):
+            if len(tensors) != self._world_size:
+                raise ValueError(f"ringreduce {name}: the {arg} must hold one tensor per rank "
+                                 f"({self._world_size}); got {len(tensors)}")
+            self._check(name, tensors, arg=arg)
+        ref = input_tensors[0]
+        for tensors, arg in ((output_tensors, "output_tensor_list"),
+                             (input_tensors, "input_tensor_list")):
+            for i, t in enumerate(tensors):
+                if t.dtype != ref.dtype or t.device != ref.device:
+                    raise ValueError(f"ringreduce {name}: {arg}[{i}] is {t.dtype} on {t.device}; "
+                                     f"input_tensor_list[0] is {ref.dtype} on {ref.device}")
+        mine, theirs = input_tensors[self._rank], output_tensors[self._rank]
+        if mine.numel() != theirs.numel():
+            raise ValueError(f"ringreduce {name}: this rank ({self._rank}) sends itself "
+                             f"{mine.numel()} elements (input_tensor_list[{self._rank}]) but "
+                             f"output_tensor_list[{self._rank}] holds {theirs.numel()}")
+        outputs, inputs = list(output_tensors), list(input_tensors)
+        return self._submit(name, lambda: self._host_call(
+            lambda ins, outs: self._comm.all_to_all(outs, ins), inputs, outputs),
+            outputs, [*outputs, *inputs])
+
+    def _splits(self, name, arg, splits, tensor, what):
+        """Rows (dim 0) of `tensor` for each rank: `splits`, or equal parts when it is empty."""
+        rows = tensor.shape[0]
+        splits = [int(s) for s in splits]
+        if not splits:
+            if rows % self._world_size:
+                raise ValueError(f"ringreduce {name}: without {arg}, dim 0 of the {what} "
+                                 f"({rows}) must divide by the world size ({self._world_size})")
+            return [rows // self._world_size] * self._world_size
+        if len(splits) != self._world_size:
+            raise ValueError(f"ringreduce {name}: {arg} must hold one size per rank "
+                             f"({self._world_size}); got {len(splits)}")
+        if min(splits) < 0 or sum(splits) != rows:
+            raise ValueError(f"ringreduce {name}: {arg} {splits} must be non-negative and add "
+                             f"up to dim 0 of the {what} ({rows}); they add up to {sum(splits)}")
+        return splits
+
+    def all_to_all_single(self, output, input, output_split_sizes, input_split_sizes,
+                          opts=None):
+        name = "all_to_all_single"
+        self._check(name, [input], arg="input")
+        self._check(name, [output], arg="output")
+        if output.dtype != input.dtype or output.device != input.device:
+            raise ValueError(f"ringreduce {name}: the output is {output.dtype} on "
+                             f"{output.device}; the input is {input.dtype} on {input.device}")
+        if input.dim() == 0 or output.dim() == 0:
+            raise ValueError(f"ringreduce {name}: input and output need a dim 0 to split; got "
+                             f"shapes {tuple(input.shape)} and {tuple(output.shape)}")
+        row = math.prod(input.shape[1:])
+        if math.prod(output.shape[1:]) != row:
+            raise ValueError(f"ringreduce {name}: a row (dims 1..) of the output has "
+                             f"{math.prod(output.shape[1:])} elements and one of the input {row}")
+        ins = self._splits(name, "input_split_sizes", input_split_sizes, input, "input")
+        outs = self._splits(name, "output_split_sizes", output_split_sizes, output, "output")
+        if ins[self._rank] != outs[self._rank]:
+            raise ValueError(f"ringreduce {name}: this rank ({self._rank}) sends itself "
+                             f"{ins[self._rank]} rows (input_split_sizes) but expects "
+                             f"{outs[self._rank]} (output_split_sizes)")
+
+        def body(host_in, host_out):
+            self._comm.all_to_all(list(host_out[0].view(-1).split([s * row for s in outs])),
+                                  list(host_in[0].view(-1).split([s * row for s in ins])))
+
+        return self._submit(name, lambda: self._host_call(body, [input], [output]), [output],
+                            [output, input])
+
+    alltoall_base = all_to_all_single
+
+    # ---- point-to-point ----------------------------------------------------------------
+    # Validated here, then run by the group's point-to-point thread (_P2PEngine), beside the
+    # collectives. Messages match per (peer, tag) in send order; a send completes once its
+    # bytes are in the shared-memory ring, without waiting for the receive.
+
+    _p2p = None
+    _p2p_start = threading.Lock()
+
+    def _p2p_submit(self, name, send, tensors, peer, tag):
+        tensor = self._one(tensors, name)
+        self._check(name, [tensor])
+        if not isinstance(tag, int):
+            raise TypeError(f"ringreduce {name}: tag must be an int; got {type(tag).__name__}")
+        if peer is not None and not 0 <= peer < self._world_size:
+            raise ValueError(f"ringreduce {name}: {'dst' if send else 'src'} must be a rank in "
+                             f"[0, {self._world_size}); got {peer}")
+        if self._shut:
+            raise RuntimeError(f"ringreduce {name}: the process group was already destroyed")
+        with self._p2p_start:
+            if self._p2p is None:
+                self._p2p = _P2PEngine(self)
+        ready = None
+        if tensor.is_cuda:
+            if torch.cuda.is_current_stream_capturing():
+                raise RuntimeError(f"ringreduce {name} on rank {self._rank}: cannot be captured "
+                                   "in a CUDA graph (it synchronises on the host)")
+            ready = torch.cuda.Event()
+            ready.record(torch.cuda.current_stream(tensor.device))
+            tensor.record_stream(self._p2p.stream(tensor.device))
+        work = RingReduceWork(name, [tensor], tensor.device if tensor.is_cuda else None)
+        self._p2p.submit(_P2PJob(work, send, tensor, -1 if peer is None else peer, tag, ready))
+        return work
+
+    def send(self, tensors, dstRank, tag=0):
+        return self._p2p_submit("send", True, tensors, dstRank, tag)
+
+    def recv(self, tensors, srcRank, tag=0):
+        return self._p2p_submit("recv", False, tensors, srcRank, tag)
+
+    def recv_anysource(self, tensors, tag=0):
+        """A receive from whichever rank sends first with this tag; Work.source_rank() says
+        which."""
+        return self._p2p_submit("recv", False, tensors, None, tag)
+
+    # torch runs monitored_barrier on gloo groups only (it raises before calling a backend).
     monitored_barrier = _unsupported("monitored_barrier")

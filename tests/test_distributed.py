@@ -300,7 +300,8 @@ def test_ddp_cuda_shared_gpu(tmp_path):
 
 
 # ---------------------------------------------------------------------------------------
-# API surface: registration, backend strings, unsupported collectives and ops.
+# API surface: registration, backend strings, the collectives beyond reductions (their full
+# tests: test_distributed_surface.py), unsupported ops.
 
 def test_import_registers_backend():
     code = ("import ringreduce, torch.distributed as dist; "
@@ -320,11 +321,17 @@ def _api_surface(rank, world, store):
     assert torch.equal(t, torch.full((5,), 3.0))
     assert isinstance(dist.group.WORLD, ringreduce.distributed.RingReduceProcessGroup)
     errors = {}
+    got = torch.zeros(1)
+    gathered = [torch.zeros(1) for _ in range(world)]
+    swapped = torch.zeros(2)
     for name, call in (
-            ("send", lambda: dist.send(torch.ones(1), dst=1 - rank)),
-            ("gather", lambda: dist.gather(torch.ones(1), [torch.ones(1)] * world
+            ("send", lambda: dist.send(torch.full((1,), 5.0), dst=1) if rank == 0 else
+             dist.recv(got, src=0)),
+            ("gather", lambda: dist.gather(torch.full((1,), rank + 1.0), gathered
                                            if rank == 0 else None, dst=0)),
-            ("all_to_all_single", lambda: dist.all_to_all_single(torch.ones(2), torch.ones(2))),
+            ("all_to_all_single", lambda: dist.all_to_all_single(
+                swapped, torch.tensor([1.0, 2.0]) + 10 * rank)),
+            ("monitored_barrier", lambda: dist.monitored_barrier()),
             ("PREMUL_SUM", lambda: dist.all_reduce(
                 torch.ones(2), op=dist._make_nccl_premul_sum(2.0))),
             ("band on float", lambda: dist.all_reduce(torch.ones(2), op=dist.ReduceOp.BAND)),
@@ -339,14 +346,21 @@ def _api_surface(rank, world, store):
     t = torch.ones(3)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     dist.destroy_process_group()
-    return errors
+    results = {"recv": got.tolist(), "all_to_all_single": swapped.tolist(),
+               "gather": [g.item() for g in gathered]}
+    return errors, results
 
 
 def test_backend_spec_and_unsupported(tmp_path):
-    for errors in values(run_ranks(_api_surface, 2, tmp_path)):
-        assert "'send'" in errors["send"] and "not supported" in errors["send"]
-        assert "'gather'" in errors["gather"]
-        assert "'all_to_all_single'" in errors["all_to_all_single"]
+    for rank, (errors, results) in enumerate(values(run_ranks(_api_surface, 2, tmp_path))):
+        for name in ("send", "gather", "all_to_all_single"):
+            assert errors[name] is None, errors[name]
+        assert results["recv"] == ([0.0] if rank == 0 else [5.0])
+        assert results["gather"] == ([1.0, 2.0] if rank == 0 else [0.0, 0.0])
+        assert results["all_to_all_single"] == [1.0 + rank, 11.0 + rank]
+        # torch runs monitored_barrier on gloo groups only, before asking the backend.
+        assert errors["monitored_barrier"].startswith("ValueError"), errors["monitored_barrier"]
+        assert "GLOO" in errors["monitored_barrier"]
         assert errors["PREMUL_SUM"].startswith("ValueError"), errors["PREMUL_SUM"]
         assert "PREMUL_SUM" in errors["PREMUL_SUM"], errors["PREMUL_SUM"]
         assert errors["band on float"].startswith("TypeError"), errors["band on float"]

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <stdexcept>
 #include <string>
 
 #include "../ring/cpu_executor.h"
@@ -33,6 +34,20 @@ std::string start_text(int64_t round) {
 std::string step_text(const char* phase, int64_t step, int64_t nsteps, int64_t round) {
   return std::string("at ") + phase + " step " + std::to_string(step) + "/" +
          std::to_string(nsteps) + " (round " + std::to_string(round) + ")";
+}
+
+// Bytes for each destination when a staging area is split among all ranks (scatter,
+// all-to-all): a multiple of 64, so pieces start on cache lines.
+int64_t slot_bytes(const HostGroup& g) { return g.capacity() / g.nranks() / 64 * 64; }
+
+// [*off, *off + returned length) is round i's piece of `total` bytes cut in `piece`-byte pieces.
+int64_t round_part(int64_t total, int64_t piece, int64_t i, int64_t* off) {
+  *off = std::min(total, i * piece);
+  return std::min(total, *off + piece) - *off;
+}
+
+void copy_unless_same(void* dst, const void* src, int64_t len) {
+  if (dst != src) std::memmove(dst, src, size_t(len));
 }
 
 }  // namespace
@@ -232,6 +247,170 @@ void barrier(HostGroup& g) {
     // every peer has checked it.
     g.publish(base + 2);
     g.end_phase(2);
+  });
+}
+
+// Phases of two steps, like the barrier's: publish once this rank's data is staged, once more
+// when it has read what it needs; the next round starts when every rank has done both.
+void gather(HostGroup& g, const void* in, void* const* outs, int64_t bytes, int root) {
+  const Ctx ctx = g.begin(Kind::Gather);
+  const int n = g.nranks();
+  const int rank = g.rank();
+  const char* in_bytes = static_cast<const char*>(in);
+  if (n == 1) {
+    copy_unless_same(outs[0], in, bytes);
+    return;
+  }
+  guarded(g, ctx, [&] {
+    const int64_t cap = g.capacity();
+    const int64_t rounds = std::max<int64_t>(1, ceil_div(bytes, cap));
+    for (int64_t i = 0; i < rounds; ++i) {
+      const uint64_t base = g.base();
+      int64_t off;
+      const int64_t len = round_part(bytes, cap, i, &off);
+      g.wait_all(base, ctx, start_text(i));
+      g.set_desc(host_desc(ctx, -1, -1, root, bytes, i));
+      if (rank != root) std::memcpy(g.staging(rank), in_bytes + off, size_t(len));
+      g.publish(base + 1);
+      if (rank == root) {
+        copy_unless_same(static_cast<char*>(outs[rank]) + off, in_bytes + off, len);
+        for (int j = 1; j < n; ++j) {
+          const int p = (rank + j) % n;
+          g.wait(p, base + 1, ctx, step_text("copy", j - 1, n - 1, i));
+          g.check_desc(p, ctx);
+          std::memcpy(static_cast<char*>(outs[p]) + off, g.staging(p), size_t(len));
+        }
+      } else {
+        g.wait(root, base + 1, ctx, start_text(i) + " (waiting for the root)");
+        g.check_desc(root, ctx);
+      }
+      g.publish(base + 2);
+      g.end_phase(2);
+    }
+  });
+}
+
+void scatter(HostGroup& g, const void* const* ins, void* out, int64_t bytes, int root) {
+  const Ctx ctx = g.begin(Kind::Scatter);
+  const int n = g.nranks();
+  const int rank = g.rank();
+  char* out_bytes = static_cast<char*>(out);
+  if (n == 1) {
+    copy_unless_same(out, ins[0], bytes);
+    return;
+  }
+  guarded(g, ctx, [&] {
+    // The root's staging area holds one slot per rank.
+    const int64_t slot = slot_bytes(g);
+    const int64_t rounds = std::max<int64_t>(1, ceil_div(bytes, slot));
+    for (int64_t i = 0; i < rounds; ++i) {
+      const uint64_t base = g.base();
+      int64_t off;
+      const int64_t len = round_part(bytes, slot, i, &off);
+      g.wait_all(base, ctx, start_text(i));
+      g.set_desc(host_desc(ctx, -1, -1, root, bytes, i));
+      if (rank == root) {
+        for (int q = 0; q < n; ++q) {
+          if (q == root) continue;
+          std::memcpy(g.staging(rank) + q * slot, static_cast<const char*>(ins[q]) + off,
+                      size_t(len));
+        }
+      }
+      g.publish(base + 1);
+      if (rank == root) {
+        copy_unless_same(out_bytes + off, static_cast<const char*>(ins[rank]) + off, len);
+        for (int j = 1; j < n; ++j) {
+          const int p = (rank + j) % n;
+          g.wait(p, base + 1, ctx, start_text(i));
+          g.check_desc(p, ctx);
+        }
+      } else {
+        g.wait(root, base + 1, ctx, step_text("copy", 0, 1, i) + " from the root");
+        g.check_desc(root, ctx);
+        std::memcpy(out_bytes + off, g.staging(root) + rank * slot, size_t(len));
+      }
+      g.publish(base + 2);
+      g.end_phase(2);
+    }
+  });
+}
+
+void all_to_all(HostGroup& g, const void* const* ins, const int64_t* in_bytes,
+                void* const* outs, const int64_t* out_bytes) {
+  const Ctx ctx = g.begin(Kind::AllToAll);
+  const int n = g.nranks();
+  const int rank = g.rank();
+  if (n == 1) {
+    if (in_bytes[0] != out_bytes[0])
+      throw std::invalid_argument("ringreduce: " + g.describe(ctx) + ": the input for rank 0 "
+                                  "has " + std::to_string(in_bytes[0]) + " bytes but the "
+                                  "output from rank 0 has " + std::to_string(out_bytes[0]));
+    copy_unless_same(outs[0], ins[0], in_bytes[0]);
+    return;
+  }
+  guarded(g, ctx, [&] {
+    // Sizes first: every rank publishes what it sends to and expects from each rank, so a pair
+    // that disagrees fails on both sides, and all ranks agree on the number of rounds.
+    uint64_t base = g.base();
+    g.wait_all(base, ctx, "at the start (size exchange)");
+    g.set_desc(host_desc(ctx, -1, -1, -1, -1, -1));
+    int64_t* table = reinterpret_cast<int64_t*>(g.staging(rank));
+    for (int q = 0; q < n; ++q) {
+      table[q] = in_bytes[q];
+      table[n + q] = out_bytes[q];
+    }
+    g.publish(base + 1);
+    int64_t most = 0;
+    for (int j = 0; j < n; ++j) {
+      const int p = (rank + j) % n;
+      if (p != rank) {
+        g.wait(p, base + 1, ctx, "exchanging split sizes");
+        g.check_desc(p, ctx);
+      }
+      const int64_t* row = reinterpret_cast<const int64_t*>(g.staging(p));
+      if (row[rank] != out_bytes[p] || row[n + rank] != in_bytes[p]) {
+        const bool to_me = row[rank] != out_bytes[p];
+        const int from = to_me ? p : rank;
+        const int to = to_me ? rank : p;
+        throw CommError("ringreduce: " + g.describe(ctx) + ": split sizes disagree: rank " +
+                        std::to_string(from) + " sends " +
+                        std::to_string(to_me ? row[rank] : in_bytes[p]) + " bytes to rank " +
+                        std::to_string(to) + " but rank " + std::to_string(to) +
+                        " expects " + std::to_string(to_me ? out_bytes[p] : row[n + rank]) +
+                        " (rank p's input split for rank r must match rank r's output split "
+                        "for rank p)");
+      }
+      for (int q = 0; q < n; ++q) most = std::max(most, row[q]);
+    }
+    g.publish(base + 2);
+    g.end_phase(2);
+    const int64_t slot = slot_bytes(g);
+    const int64_t rounds = std::max<int64_t>(1, ceil_div(most, slot));
+    for (int64_t i = 0; i < rounds; ++i) {
+      base = g.base();
+      g.wait_all(base, ctx, start_text(i));
+      g.set_desc(host_desc(ctx, -1, -1, -1, most, i));
+      char* own = g.staging(rank);
+      int64_t off;
+      for (int q = 0; q < n; ++q) {
+        if (q == rank) continue;
+        const int64_t len = round_part(in_bytes[q], slot, i, &off);
+        std::memcpy(own + q * slot, static_cast<const char*>(ins[q]) + off, size_t(len));
+      }
+      g.publish(base + 1);
+      const int64_t self_len = round_part(in_bytes[rank], slot, i, &off);
+      copy_unless_same(static_cast<char*>(outs[rank]) + off,
+                       static_cast<const char*>(ins[rank]) + off, self_len);
+      for (int j = 1; j < n; ++j) {
+        const int p = (rank + j) % n;
+        g.wait(p, base + 1, ctx, step_text("copy", j - 1, n - 1, i));
+        g.check_desc(p, ctx);
+        const int64_t len = round_part(out_bytes[p], slot, i, &off);
+        std::memcpy(static_cast<char*>(outs[p]) + off, g.staging(p) + rank * slot, size_t(len));
+      }
+      g.publish(base + 2);
+      g.end_phase(2);
+    }
   });
 }
 

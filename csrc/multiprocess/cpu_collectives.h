@@ -32,6 +32,19 @@ void reduce_scatter(HostGroup& g, const void* in, void* out, int64_t count, DTyp
 
 void barrier(HostGroup& g);
 
+// Rank `root`'s outs[r] (one pointer per rank; ignored elsewhere) receives rank r's `bytes`
+// bytes of `in`.
+void gather(HostGroup& g, const void* in, void* const* outs, int64_t bytes, int root);
+
+// Every rank r's `out` receives `bytes` bytes of rank `root`'s ins[r] (ignored elsewhere).
+void scatter(HostGroup& g, const void* const* ins, void* out, int64_t bytes, int root);
+
+// ins[q] (in_bytes[q] bytes) goes to rank q, and outs[p] (out_bytes[p] bytes) receives what
+// rank p sends to this rank. Sizes may differ from pair to pair; every pair must agree on its
+// size (rank p's in_bytes[r] == rank r's out_bytes[p]), or every rank involved raises.
+void all_to_all(HostGroup& g, const void* const* ins, const int64_t* in_bytes,
+                void* const* outs, const int64_t* out_bytes);
+
 }  // namespace cpu
 }  // namespace dist
 }  // namespace rr

@@ -12,6 +12,7 @@
 #include "../torch_types.h"
 #include "cpu_collectives.h"
 #include "host_group.h"
+#include "p2p.h"
 
 #ifdef RINGREDUCE_WITH_CUDA
 #include <c10/cuda/CUDACachingAllocator.h>
@@ -59,6 +60,25 @@ bool overlaps(const at::Tensor& a, const at::Tensor& b) {
   return a_lo < b_lo + uintptr_t(nbytes(b)) && b_lo < a_lo + uintptr_t(nbytes(a));
 }
 
+// The byte-moving collectives (gather, scatter, all-to-all, send/recv) take host tensors: the
+// backend stages CUDA tensors through host memory before and after.
+void check_host(const at::Tensor& t, const char* fn, const std::string& arg) {
+  check_dense(t, fn, arg.c_str());
+  TORCH_CHECK_VALUE(t.is_cpu(), "ringreduce ", fn, ": ", arg, " is on ", t.device(), "; this "
+                    "executor takes host tensors (the backend stages CUDA tensors)");
+}
+
+// `t`, or a copy of it where it overlaps one of `others` (other than being `allowed` itself):
+// a later round would otherwise read bytes an earlier one overwrote.
+at::Tensor unaliased(const at::Tensor& t, const std::vector<at::Tensor>& others,
+                     const at::Tensor* allowed) {
+  for (const at::Tensor& o : others) {
+    const bool same = &o == allowed && o.data_ptr() == t.data_ptr() && nbytes(o) == nbytes(t);
+    if (!same && overlaps(o, t)) return t.clone(at::MemoryFormat::Contiguous);
+  }
+  return t;
+}
+
 // Locking: arguments are checked with the GIL held; then the GIL is released BEFORE mu_ is
 // taken, and nothing under mu_ touches a Python object, so a thread waiting for mu_ never holds
 // the GIL. abort() takes neither: it marks the group failed, which stops a collective waiting
@@ -78,7 +98,7 @@ class Comm {
   // `cuda_capacity`: bytes of the device staging area a CUDA collective allocates on first use.
   Comm(int rank, int nranks, int64_t capacity, double timeout_s, const std::string& tag,
        int64_t cuda_capacity)
-      : g_(rank, nranks, capacity, timeout_s, tag), cuda_capacity_(cuda_capacity) {}
+      : g_(rank, nranks, capacity, timeout_s, tag), p2p_(g_), cuda_capacity_(cuda_capacity) {}
 
   std::string name() const { return g_.name(); }
   int rank() const { return g_.rank(); }
@@ -96,6 +116,7 @@ class Comm {
   void set_timeout(double seconds) {
     const GilFreeLock held(mu_);
     g_.set_timeout(seconds);
+    p2p_.set_timeout(g_.timeout());
   }
   void close() {
     const GilFreeLock held(mu_);
@@ -105,6 +126,8 @@ class Comm {
       peers_.reset();
     }
 #endif
+    p2p_.interrupt();
+    const std::lock_guard<std::mutex> p2p_held(p2p_mu_);
     g_.close();
   }
   void abort() {
@@ -267,6 +290,90 @@ class Comm {
     rr::dist::cpu::barrier(g_);
   }
 
+  // outs: one tensor per rank on the root, empty elsewhere.
+  void gather(const std::vector<at::Tensor>& outs, const at::Tensor& input, int root) {
+    const char* fn = "gather";
+    check_host(input, fn, "input");
+    check_root(root, fn);
+    const std::vector<void*> ptrs = root_list(outs, root, fn, "gather_list", input, "input");
+    const at::Tensor in = outs.empty() ? input : unaliased(input, outs, &outs[size_t(root)]);
+    const GilFreeLock held(mu_);
+    rr::dist::cpu::gather(g_, in.data_ptr(), ptrs.data(), nbytes(in), root);
+  }
+
+  // ins: one tensor per rank on the root, empty elsewhere.
+  void scatter(const at::Tensor& out, const std::vector<at::Tensor>& ins, int root) {
+    const char* fn = "scatter";
+    check_host(out, fn, "output");
+    check_root(root, fn);
+    const std::vector<void*> ptrs = root_list(ins, root, fn, "scatter_list", out, "output");
+    const at::Tensor dst = ins.empty() ? out : unaliased(out, ins, &ins[size_t(root)]);
+    const GilFreeLock held(mu_);
+    rr::dist::cpu::scatter(g_, ptrs.data(), dst.data_ptr(), nbytes(out), root);
+    if (!dst.is_same(out)) out.copy_(dst);
+  }
+
+  // ins[q] goes to rank q; outs[p] receives rank p's. Sizes may differ per pair.
+  void all_to_all(const std::vector<at::Tensor>& outs, const std::vector<at::Tensor>& ins) {
+    const char* fn = "all_to_all";
+    const size_t n = size_t(g_.nranks());
+    TORCH_CHECK_VALUE(outs.size() == n && ins.size() == n, "ringreduce all_to_all: the input "
+                      "and output lists must hold one tensor per rank (", n, "); got ",
+                      ins.size(), " inputs and ", outs.size(), " outputs");
+    std::vector<at::Tensor> sources;
+    std::vector<const void*> in_ptrs;
+    std::vector<void*> out_ptrs;
+    std::vector<int64_t> in_bytes, out_bytes;
+    for (size_t q = 0; q < n; ++q) {
+      check_host(ins[q], fn, "input[" + std::to_string(q) + "]");
+      check_host(outs[q], fn, "output[" + std::to_string(q) + "]");
+    }
+    for (size_t q = 0; q < n; ++q) {
+      sources.push_back(unaliased(ins[q], outs, q == size_t(g_.rank()) ? &outs[q] : nullptr));
+      in_ptrs.push_back(sources.back().data_ptr());
+      in_bytes.push_back(nbytes(ins[q]));
+      out_ptrs.push_back(outs[q].data_ptr());
+      out_bytes.push_back(nbytes(outs[q]));
+    }
+    const GilFreeLock held(mu_);
+    rr::dist::cpu::all_to_all(g_, in_ptrs.data(), in_bytes.data(), out_ptrs.data(),
+                              out_bytes.data());
+  }
+
+  // Point-to-point (p2p.h). The backend's p2p thread posts and calls p2p_progress; the data
+  // of `t` must stay alive until its id is reported done. peer -1: any source (receive).
+  void p2p_post(uint64_t id, bool send, const at::Tensor& t, int peer, int64_t tag,
+                const std::string& dtype) {
+    const char* fn = send ? "send" : "recv";
+    check_host(t, fn, "tensor");
+    TORCH_CHECK_VALUE((peer >= 0 && peer < g_.nranks()) || (!send && peer == rr::dist::kAnySource),
+                      "ringreduce ", fn, ": peer must be in [0, ", g_.nranks(), "); got ", peer);
+    const GilFreeLock held(p2p_mu_);
+    TORCH_CHECK(!g_.closed(), "ringreduce ", fn, ": the process group was already destroyed");
+    p2p_.post(rr::dist::P2POp{id, send, peer, tag, t.data_ptr(), nbytes(t), dtype});
+  }
+
+  // [(id, peer, error or None)] of the operations that completed or failed.
+  pybind11::list p2p_progress(double max_wait_s) {
+    std::vector<rr::dist::P2PDone> done;
+    {
+      const GilFreeLock held(p2p_mu_);
+      if (!g_.closed()) {
+        done = p2p_.progress(std::chrono::nanoseconds(int64_t(std::max(0.0, max_wait_s) * 1e9)));
+      }
+    }
+    pybind11::list out;
+    for (const auto& d : done) {
+      pybind11::object error = d.error.empty() ? pybind11::object(pybind11::none())
+                                               : pybind11::object(pybind11::str(d.error));
+      out.append(pybind11::make_tuple(d.id, d.peer, error));
+    }
+    return out;
+  }
+
+  // Lock-free: makes a running p2p_progress return (new work was queued, or shutdown).
+  void p2p_interrupt() { p2p_.interrupt(); }
+
  private:
 #ifdef RINGREDUCE_WITH_CUDA
   struct CudaCall {
@@ -308,12 +415,40 @@ class Comm {
   }
 
 #endif
+  void check_root(int root, const char* fn) const {
+    TORCH_CHECK_VALUE(root >= 0 && root < g_.nranks(), "ringreduce ", fn, ": root must be in "
+                      "[0, ", g_.nranks(), "); got ", root);
+  }
+
+  // The root's list (gather, scatter): one host tensor per rank, each of `ref`'s size; empty
+  // on the other ranks. Their data pointers.
+  std::vector<void*> root_list(const std::vector<at::Tensor>& list, int root, const char* fn,
+                               const std::string& name, const at::Tensor& ref,
+                               const char* ref_name) const {
+    TORCH_CHECK_VALUE(int(list.size()) == (g_.rank() == root ? g_.nranks() : 0), "ringreduce ",
+                      fn, ": the ", name, " must hold one tensor per rank (", g_.nranks(), ") on "
+                      "the root and be empty elsewhere; rank ", g_.rank(), " got ", list.size());
+    std::vector<void*> ptrs;
+    for (size_t i = 0; i < list.size(); ++i) {
+      const std::string arg = name + "[" + std::to_string(i) + "]";
+      check_host(list[i], fn, arg);
+      TORCH_CHECK_VALUE(nbytes(list[i]) == nbytes(ref), "ringreduce ", fn, ": ", arg, " has ",
+                        nbytes(list[i]), " bytes but the ", ref_name, " has ", nbytes(ref));
+      ptrs.push_back(list[i].data_ptr());
+    }
+    return ptrs;
+  }
+
   HostGroup g_;
   int64_t cuda_capacity_;
 #ifdef RINGREDUCE_WITH_CUDA
   rr::dist::cuda::PeersPtr peers_;  // declared after g_: released before the group closes
 #endif
   std::mutex mu_;
+  // Point-to-point runs beside the collectives (its own thread): its own lock, never held
+  // together with mu_ except by close(), which takes mu_ first.
+  rr::dist::P2P p2p_;
+  std::mutex p2p_mu_;
 };
 
 }  // namespace
@@ -350,5 +485,15 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("all_gather", &Comm::all_gather, pybind11::arg("outputs"), pybind11::arg("input"))
       .def("reduce_scatter", &Comm::reduce_scatter, pybind11::arg("output"),
            pybind11::arg("input"), pybind11::arg("op"))
-      .def("barrier", &Comm::barrier);
+      .def("barrier", &Comm::barrier)
+      .def("gather", &Comm::gather, pybind11::arg("outputs"), pybind11::arg("input"),
+           pybind11::arg("root"))
+      .def("scatter", &Comm::scatter, pybind11::arg("output"), pybind11::arg("inputs"),
+           pybind11::arg("root"))
+      .def("all_to_all", &Comm::all_to_all, pybind11::arg("outputs"), pybind11::arg("inputs"))
+      .def("p2p_post", &Comm::p2p_post, pybind11::arg("id"), pybind11::arg("send"),
+           pybind11::arg("tensor"), pybind11::arg("peer"), pybind11::arg("tag"),
+           pybind11::arg("dtype"))
+      .def("p2p_progress", &Comm::p2p_progress, pybind11::arg("max_wait"))
+      .def("p2p_interrupt", &Comm::p2p_interrupt);
 }

@@ -31,6 +31,16 @@ namespace {
 
 constexpr uint64_t kMagic = 0x31646572676e6972ULL;  // "ringred1"
 constexpr size_t kHeaderBytes = (sizeof(Header) + 4095) / 4096 * 4096;
+constexpr size_t kP2PCounterBytes = (sizeof(P2PCounters) + 4095) / 4096 * 4096;
+
+// Bytes of each point-to-point ring: a quarter of the staging size shared among the
+// destinations, at least a page. Larger messages stream through in pieces; this only bounds
+// how much a send can leave behind without the receiver.
+int64_t ring_bytes_for(int64_t capacity, int nranks) {
+  const int64_t share = capacity / (4 * int64_t(nranks)) / 4096 * 4096;
+  return share > 4096 ? share : 4096;
+}
+
 using Clock = std::chrono::steady_clock;
 
 std::string errno_text(int err) { return std::string(std::strerror(err)); }
@@ -90,13 +100,17 @@ const char* kind_name(Kind k) {
     case Kind::ReduceScatter: return "reduce_scatter";
     case Kind::Barrier: return "barrier";
     case Kind::CudaSetup: return "cuda_setup";
+    case Kind::Gather: return "gather";
+    case Kind::Scatter: return "scatter";
+    case Kind::AllToAll: return "all_to_all";
   }
   return "?";
 }
 
 HostGroup::HostGroup(int rank, int nranks, int64_t capacity, double timeout_s,
                      const std::string& tag)
-    : rank_(rank), nranks_(nranks), capacity_(capacity), headers_(size_t(nranks), nullptr) {
+    : rank_(rank), nranks_(nranks), capacity_(capacity), p2p_ring_bytes_(0),
+      headers_(size_t(nranks), nullptr) {
   if (nranks < 1 || nranks > kMaxRanks)
     throw std::invalid_argument("ringreduce: world size must be in [1, " +
                                 std::to_string(kMaxRanks) + "]; got " + std::to_string(nranks));
@@ -112,7 +126,9 @@ HostGroup::HostGroup(int rank, int nranks, int64_t capacity, double timeout_s,
   if (fd < 0)
     throw std::runtime_error("ringreduce: shm_open(" + name_ + ") failed: " + errno_text(errno));
   linked_ = true;
-  map_bytes_ = kHeaderBytes + size_t(capacity);
+  p2p_ring_bytes_ = ring_bytes_for(capacity, nranks);
+  map_bytes_ = kHeaderBytes + size_t(capacity) + kP2PCounterBytes +
+               size_t(nranks) * size_t(p2p_ring_bytes_);
   // posix_fallocate reserves the pages now: without it a full /dev/shm shows up later as
   // SIGBUS on first touch instead of an error here.
   int err = posix_fallocate(fd, 0, off_t(map_bytes_));
@@ -141,6 +157,14 @@ HostGroup::HostGroup(int rank, int nranks, int64_t capacity, double timeout_s,
   h->waiters.store(0, std::memory_order_relaxed);
   h->waiting_for.store(-1, std::memory_order_relaxed);
   h->cuda_released.store(0, std::memory_order_relaxed);
+  h->p2p_bell.store(0, std::memory_order_relaxed);
+  h->p2p_waiters.store(0, std::memory_order_relaxed);
+  P2PCounters* counters = new (static_cast<char*>(p) + kHeaderBytes + size_t(capacity))
+      P2PCounters();
+  for (int q = 0; q < kMaxRanks; ++q) {
+    counters->sent[q].value.store(0, std::memory_order_relaxed);
+    counters->consumed[q].value.store(0, std::memory_order_relaxed);
+  }
   h->state.store(kLive, std::memory_order_release);
   headers_[size_t(rank)] = h;
 }
@@ -220,6 +244,33 @@ void HostGroup::close() {
 
 char* HostGroup::staging(int r) const {
   return reinterpret_cast<char*>(headers_[size_t(r)]) + kHeaderBytes;
+}
+
+P2PCounters* HostGroup::p2p_counters(int r) const {
+  return reinterpret_cast<P2PCounters*>(staging(r) + capacity_);
+}
+
+char* HostGroup::p2p_ring(int owner, int dst) const {
+  return staging(owner) + capacity_ + kP2PCounterBytes + size_t(dst) * size_t(p2p_ring_bytes_);
+}
+
+void HostGroup::ring_bell(int r) const {
+  Header* h = headers_[size_t(r)];
+  h->p2p_bell.fetch_add(1, std::memory_order_seq_cst);
+  if (h->p2p_waiters.load(std::memory_order_seq_cst) != 0) futex_wake_all(&h->p2p_bell);
+}
+
+void HostGroup::ring_own_bell() {
+  std::lock_guard<std::mutex> lock(state_mu_);
+  if (!closed_) ring_bell(rank_);
+}
+
+void HostGroup::wait_bell(uint32_t seen, int64_t ns) const {
+  if (ns <= 0) return;
+  Header* own = headers_[size_t(rank_)];
+  own->p2p_waiters.fetch_add(1, std::memory_order_seq_cst);
+  if (own->p2p_bell.load(std::memory_order_seq_cst) == seen) futex_wait(&own->p2p_bell, seen, ns);
+  own->p2p_waiters.fetch_sub(1, std::memory_order_seq_cst);
 }
 
 Ctx HostGroup::begin(Kind kind) {
@@ -390,6 +441,8 @@ void HostGroup::fail(const std::string& msg) {
   own->state.store(kAborted, std::memory_order_seq_cst);
   own->wake.fetch_add(1, std::memory_order_seq_cst);
   futex_wake_all(&own->wake);
+  own->p2p_bell.fetch_add(1, std::memory_order_seq_cst);  // this rank's p2p thread stops too
+  futex_wake_all(&own->p2p_bell);
 }
 
 bool HostGroup::peer_gone(int peer) const {

@@ -2,9 +2,10 @@
 //
 // Every rank creates one POSIX shared-memory segment: a header (progress counter, state, the
 // descriptor of the collective it is in, CUDA IPC handles) followed by a staging area for CPU
-// tensors. Ranks exchange segment names through the process group's store, map every peer's
-// segment, and unlink their own as soon as every peer has mapped it, so nothing is left in
-// /dev/shm once the group is up, whatever happens to the processes afterwards.
+// tensors and a point-to-point area (rings per destination, see p2p.h). Ranks exchange segment
+// names through the process group's store, map every peer's segment, and unlink their own as
+// soon as every peer has mapped it, so nothing is left in /dev/shm once the group is up,
+// whatever happens to the processes afterwards.
 //
 // Synchronisation is one monotone 64-bit counter per rank (`progress`). Every rank runs the
 // same sequence of collectives, each a sequence of phases, and each phase advances every
@@ -34,7 +35,8 @@ constexpr int kIpcHandleBytes = 64;            // sizeof(cudaIpc{Mem,Event}Handl
 constexpr int kMaxEvents = 2 * kMaxRanks + 2;  // a ring phase records 2N - 1 events
 
 enum class Kind : int32_t {
-  None = 0, AllReduce, Broadcast, AllGather, ReduceScatter, Barrier, CudaSetup
+  None = 0, AllReduce, Broadcast, AllGather, ReduceScatter, Barrier, CudaSetup, Gather, Scatter,
+  AllToAll
 };
 const char* kind_name(Kind k);
 
@@ -100,6 +102,23 @@ struct alignas(64) Header {
   char message[1024];                         // why, when not kLive
   alignas(64) Desc desc;
   alignas(64) CudaArea cuda;
+  // Point-to-point (p2p.h): bumped by whoever gives this rank's p2p thread something to do (a
+  // peer that sent to it or made room in a ring it writes, a local post); it sleeps on it.
+  alignas(64) std::atomic<uint32_t> p2p_bell;
+  std::atomic<uint32_t> p2p_waiters;
+};
+
+// One counter on its own cache line.
+struct alignas(64) Counter {
+  std::atomic<uint64_t> value;
+};
+
+// A rank's point-to-point area, after its staging area: for each peer q, `sent[q]` counts the
+// bytes this rank has written into its ring towards q, `consumed[q]` the bytes this rank has
+// read from q's ring towards it. The rings (one per destination, p2p_ring_bytes() each) follow.
+struct P2PCounters {
+  Counter sent[kMaxRanks];
+  Counter consumed[kMaxRanks];
 };
 
 // Thrown for every failure that involves another rank (timeouts, dead or failed peers,
@@ -143,6 +162,18 @@ class HostGroup {
 
   Header* header(int r) const { return headers_[r]; }
   char* staging(int r) const;
+  P2PCounters* p2p_counters(int r) const;
+  // Rank `owner`'s ring towards rank `dst` (the owner writes it, dst reads it).
+  char* p2p_ring(int owner, int dst) const;
+  int64_t p2p_ring_bytes() const { return p2p_ring_bytes_; }
+  // Bumps rank r's p2p bell and wakes its p2p thread if it sleeps.
+  void ring_bell(int r) const;
+  // ring_bell(rank()), safe from any thread at any time, also after close().
+  void ring_own_bell();
+  // Sleeps while this rank's p2p bell still reads `seen`, at most `ns` nanoseconds.
+  void wait_bell(uint32_t seen, int64_t ns) const;
+  // True when rank `peer`'s process has exited (checked through /proc, same pid namespace).
+  bool peer_dead(int peer) const;
 
   // Starts a collective: checks that this group is usable and returns its context.
   Ctx begin(Kind kind);
@@ -180,12 +211,12 @@ class HostGroup {
   enum class Problem { Timeout, Exited, Aborted, Closed };
   [[noreturn]] void raise_peer_problem(int peer, uint64_t target, const Ctx& ctx,
                                        const std::string& what, Problem problem) const;
-  bool peer_dead(int peer) const;
   std::string where_is(int peer) const;  // "is at step 2 of this phase" etc.
 
   int rank_;
   int nranks_;
   int64_t capacity_;
+  int64_t p2p_ring_bytes_;
   std::chrono::nanoseconds timeout_;
   std::string name_;
   size_t map_bytes_ = 0;

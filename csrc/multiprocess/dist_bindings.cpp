@@ -98,7 +98,7 @@ class Comm {
   // `cuda_capacity`: bytes of the device staging area a CUDA collective allocates on first use.
   Comm(int rank, int nranks, int64_t capacity, double timeout_s, const std::string& tag,
        int64_t cuda_capacity)
-      : g_(rank, nranks, capacity, timeout_s, tag), p2p_(g_), cuda_capacity_(cuda_capacity) {}
+      : g_(rank, nranks, capacity, timeout_s, tag), cuda_capacity_(cuda_capacity), p2p_(g_) {}
 
   std::string name() const { return g_.name(); }
   int rank() const { return g_.rank(); }

@@ -148,6 +148,18 @@ def test_ddp_overlaps_allreduce_with_backward(tmp_path, mode):
         assert inside > 0.25, f"inline mode spent only {inside:.2f} s inside allreduce()"
 
 
+def _wait_each(works):
+    """wait() on each Work: None where it succeeded, else the error's message."""
+    out = []
+    for w in works:
+        try:
+            w.wait()
+            out.append(None)
+        except RuntimeError as exc:
+            out.append(str(exc))
+    return out
+
+
 class _FailingComm:
     """Wraps the C++ Comm; all_reduce raises as a failure inside the engine would."""
 
@@ -168,14 +180,7 @@ def _engine_error(rank, world, store):
     if rank == 0:
         pg._comm = _FailingComm(pg._comm)
     start = time.monotonic()
-    errors = []
-    works = [dist.all_reduce(torch.ones(4), async_op=True) for _ in range(3)]
-    for w in works:
-        try:
-            w.wait()
-            errors.append(None)
-        except RuntimeError as exc:
-            errors.append(str(exc))
+    errors = _wait_each([dist.all_reduce(torch.ones(4), async_op=True) for _ in range(3)])
     elapsed = time.monotonic() - start
     try:
         dist.broadcast(torch.ones(2), src=0)
@@ -238,13 +243,7 @@ def _abort_queued(rank, world, store):
     time.sleep(0.3)
     start = time.monotonic()
     pg.abort()
-    messages = []
-    for w in works:
-        try:
-            w.wait()
-            messages.append(None)
-        except RuntimeError as exc:
-            messages.append(str(exc))
+    messages = _wait_each(works)
     waited = time.monotonic() - start
     start = time.monotonic()
     dist.destroy_process_group()
@@ -266,14 +265,7 @@ def _killed_during_async(rank, world, store):
         os.kill(os.getpid(), signal.SIGKILL)
     works = [dist.all_reduce(torch.ones(100), async_op=True) for _ in range(3)]
     start = time.monotonic()
-    out = []
-    for w in works:
-        try:
-            w.wait()
-            out.append(None)
-        except RuntimeError as exc:
-            out.append(str(exc))
-    return out, time.monotonic() - start
+    return _wait_each(works), time.monotonic() - start
 
 
 def test_dead_peer_fails_every_queued_work_on_every_survivor(tmp_path):

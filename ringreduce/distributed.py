@@ -1075,7 +1075,7 @@ class RingReduceProcessGroup(_ProcessGroup):
             ready = torch.cuda.Event()
             ready.record(torch.cuda.current_stream(tensor.device))
             tensor.record_stream(self._p2p.stream(tensor.device))
-        work = RingReduceWork(name, [tensor], tensor.device if tensor.is_cuda else None)
+        work = RingReduceWork(name, [tensor], tensor.device if tensor.is_cuda else None, self)
         self._p2p.submit(_P2PJob(work, send, tensor, -1 if peer is None else peer, tag, ready))
         return work
 

@@ -43,6 +43,8 @@ group, started by the rank's first such call (_P2PEngine, csrc/multiprocess/p2p.
 rings in the shared segments, messages matched per (sender, tag) in send order, sends complete
 once their bytes are in the ring, and no operation waits behind a collective or another
 operation. gather, scatter, all-to-all and point-to-point stage CUDA tensors through host memory.
+On a group that spans several hosts, gather, scatter and all-to-all run on the whole group's
+gloo, and point-to-point on its send/recv (_xhost_p2p; ringreduce/hierarchy.py).
 
 Torch (2.13 and earlier) cannot bind a backend written in Python to a single device of a
 group, so with ``"cpu:gloo,cuda:ringreduce"`` the ringreduce group also serves CPU tensors
@@ -621,6 +623,8 @@ class RingReduceProcessGroup(_ProcessGroup):
             self._engine.stop(deadline)
         if self._p2p is not None:
             self._p2p.stop(deadline)
+        for waiter in self._xhost_waiters:
+            waiter.join(max(0.0, deadline - time.monotonic()))
         self._comm.close()
 
     def abort(self):
@@ -1053,6 +1057,7 @@ class RingReduceProcessGroup(_ProcessGroup):
 
     _p2p = None
     _p2p_start = threading.Lock()
+    _xhost_waiters = ()
 
     def _p2p_submit(self, name, send, tensors, peer, tag):
         tensor = self._one(tensors, name)
@@ -1064,6 +1069,8 @@ class RingReduceProcessGroup(_ProcessGroup):
                              f"[0, {self._world_size}); got {peer}")
         if self._shut:
             raise RuntimeError(f"ringreduce {name}: the process group was already destroyed")
+        if isinstance(self._comm, hierarchy.HierarchicalComm):
+            return self._xhost_p2p(name, send, tensor, peer, tag)
         with self._p2p_start:
             if self._p2p is None:
                 self._p2p = _P2PEngine(self)
@@ -1077,6 +1084,66 @@ class RingReduceProcessGroup(_ProcessGroup):
             tensor.record_stream(self._p2p.stream(tensor.device))
         work = RingReduceWork(name, [tensor], tensor.device if tensor.is_cuda else None, self)
         self._p2p.submit(_P2PJob(work, send, tensor, -1 if peer is None else peer, tag, ready))
+        return work
+
+    def _xhost_p2p(self, name, send, tensor, peer, tag):
+        """Across hosts: gloo's own send/recv on the whole group, posted here (so in issue
+        order) by HierarchicalComm.p2p_start; a thread per operation waits for it (gloo bounds
+        the wait by the group's timeout). A send works on a copy of the tensor and its Work
+        completes at once, as on one host (gloo's send would wait for the matching receive); a
+        send that then fails fails the group. A receive's Work completes when its message is in
+        the tensor. CUDA tensors go through host memory (written, never run: no GPU so far)."""
+        if tag < 0:
+            raise ValueError(f"ringreduce {name}: a group that spans several hosts needs tags "
+                             f">= 0 (gloo's); got {tag}")
+        if peer == self._rank:
+            raise ValueError(f"ringreduce {name}: rank {self._rank} cannot "
+                             f"{'send to' if send else 'receive from'} itself")
+        ready = None
+        if send:
+            host = _host_copy(tensor)
+        elif tensor.is_cuda:
+            host = torch.empty(tensor.shape, dtype=tensor.dtype)
+            ready = torch.cuda.Event()
+            ready.record(torch.cuda.current_stream(tensor.device))
+        else:
+            host = tensor if tensor.is_contiguous() else torch.empty(tensor.shape,
+                                                                      dtype=tensor.dtype)
+        work = RingReduceWork(name, [tensor], None, self)
+        try:
+            posted = self._comm.p2p_start(send, host, peer, tag)
+        except RuntimeError as exc:
+            work._finish(None, error=exc)
+            return work
+        if send:
+            work._finish(work._outputs)
+
+        def finish():
+            try:
+                source = self._comm.p2p_wait(posted, send, peer, tag)
+                if host is not tensor and not send:
+                    if ready is None:
+                        tensor.copy_(host)
+                    else:
+                        with torch.cuda.device(tensor.device):
+                            stream = torch.cuda.current_stream()
+                            stream.wait_event(ready)
+                            tensor.copy_(host)
+                            stream.synchronize()
+            except BaseException as exc:  # noqa: B902 - every failure fails the group
+                self._fail(str(exc))
+                if not send:
+                    work._finish(None, error=exc)
+                return
+            if not send:
+                work._source = source
+                work._finish(work._outputs)
+
+        waiter = threading.Thread(target=finish, daemon=True,
+                                  name=f"ringreduce-xhost-{name}-rank{self._rank}")
+        with self._p2p_start:
+            self._xhost_waiters = [t for t in self._xhost_waiters if t.is_alive()] + [waiter]
+        waiter.start()
         return work
 
     def send(self, tensors, dstRank, tag=0):

@@ -39,6 +39,10 @@ of ranks (inter-host all-to-all plus fold, resp. inter-host all-gather, each amo
 one local index); with uneven hosts reduce_scatter is an all-reduce of the whole input (twice
 the bytes) and all_gather runs on the inter-host engine for the whole group. ``broadcast`` and
 ``barrier`` run on the inter-host engine for the whole group; ``reduce`` is an all-reduce.
+``gather``, ``scatter`` and ``all_to_all`` (uneven sizes too) run on the whole group's gloo on
+byte views (any dtype). Point-to-point runs on that gloo's own send/recv (p2p_start, p2p_wait;
+distributed.py posts in the caller's thread and waits in a thread per operation), for peers on
+this host too; the whole group's gloo is therefore made with the comm, while every rank is there.
 
 Faults: every inter-host wait is bounded by the group's timeout; while it waits, a rank also
 watches a failure key in the store, so a rank failing anywhere stops the others within about
@@ -275,7 +279,9 @@ class _Unusable(RuntimeError):
 class HierarchicalComm:
     """What RingReduceProcessGroup calls its `_comm` when the group spans several hosts: the
     same methods as the single-host `_dist_C.Comm` (check, all_reduce, reduce_scatter,
-    all_gather, broadcast, barrier, fail, abort, close, set_timeout, closed), composed from a
+    all_gather, broadcast, barrier, gather, scatter, all_to_all, fail, abort, close,
+    set_timeout, closed; point-to-point through p2p_start/p2p_wait instead of the
+    shared-memory p2p_post/p2p_progress), composed from a
     `Comm` over this host's ranks and torch's engines between hosts. Runs in the group's
     progress thread; abort() and fail() may come from any thread."""
 
@@ -311,6 +317,14 @@ class HierarchicalComm:
             self._local.close()
             raise
         self._local.unlink()
+        # The whole group's gloo is made now, while every rank is here: point-to-point uses it
+        # from any thread, and a rank that only sends must not wait for the others to make it.
+        self._everyone = tuple(range(layout.world_size))
+        try:
+            self._group(self._everyone, False)
+        except BaseException:
+            self.close()
+            raise
 
     def _local_keys(self, prefix, deadline, what):
         keys = [f"{prefix}/{q}" for q in range(self.layout.local_size)]
@@ -369,7 +383,8 @@ class HierarchicalComm:
     def __getattr__(self, name):
         raise AttributeError(
             f"ringreduce: '{name}' is not available on a process group that spans several "
-            "hosts (all_reduce, reduce_scatter, all_gather, broadcast, reduce and barrier are)")
+            "hosts (all_reduce, reduce_scatter, all_gather, broadcast, reduce, barrier, gather, "
+            "scatter, all_to_all and point-to-point are)")
 
     def all_reduce(self, tensor, op):
         with self._collective("all_reduce"):
@@ -431,6 +446,83 @@ class HierarchicalComm:
         with self._collective("barrier"):
             self._xhost(tuple(range(self.layout.world_size)), None, "barrier",
                         lambda g: g.barrier())
+
+    # gather, scatter and all-to-all: the whole group's gloo on byte views (any dtype); the
+    # tensors are contiguous CPU tensors (distributed.py stages the others).
+
+    def gather(self, outs, inp, root):
+        with self._collective("gather"):
+            src = _bytes(inp)
+            dst = [_bytes(o) for o in outs]
+            opts = dist.GatherOptions()
+            opts.rootRank = root
+            self._xhost(self._everyone, src, "gather",
+                        lambda g: g.gather([dst] if dst else [], [src], opts))
+
+    def scatter(self, out, ins, root):
+        with self._collective("scatter"):
+            dst = _bytes(out)
+            src = [_bytes(t) for t in ins]
+            opts = dist.ScatterOptions()
+            opts.rootRank = root
+            self._xhost(self._everyone, dst, "scatter",
+                        lambda g: g.scatter([dst], [src] if src else [], opts))
+
+    def all_to_all(self, outs, ins):
+        """outs[r] receives ins[self] of rank r; sizes may differ per rank."""
+        with self._collective("all_to_all"):
+            send = torch.cat([_bytes(t) for t in ins])
+            recv = torch.empty(sum(o.numel() * o.element_size() for o in outs),
+                               dtype=torch.uint8)
+            out_splits = [o.numel() * o.element_size() for o in outs]
+            in_splits = [t.numel() * t.element_size() for t in ins]
+            self._xhost(self._everyone, send, "all_to_all", lambda g: g.alltoall_base(
+                recv, send, out_splits, in_splits, dist.AllToAllOptions()))
+            for o, part in zip(outs, recv.split(out_splits)):
+                _bytes(o).copy_(part)
+
+    # Point-to-point: gloo's own send/recv on the whole group, posted by the caller's thread (so
+    # messages match per (peer, tag) in issue order) and waited for by one thread per operation
+    # (distributed.py). gloo bounds each wait by the group's timeout; a wait cannot be cut short
+    # and resumed (gloo closes the connection), so it is not also watched through the store.
+
+    def p2p_start(self, send, tensor, peer, tag):
+        """Posts a send to `peer`, or a receive from `peer` (None: from any rank), of the
+        contiguous CPU tensor's bytes with `tag`; returns gloo's Work."""
+        lay = self.layout
+        if self._failed is not None:
+            raise _Unusable(f"ringreduce: {'send' if send else 'recv'} on rank {lay.rank}: this "
+                            f"process group failed earlier and cannot be used any more: "
+                            f"{self._failed}")
+        group = self._group(self._everyone, False)
+        data = [_bytes(tensor)]
+        self.stats["inter_host_bytes"] += data[0].numel() if send else 0
+        if send:
+            return group.send(data, peer, tag)
+        if peer is None:
+            return group.recv_anysource(data, tag)
+        return group.recv(data, peer, tag)
+
+    def p2p_wait(self, work, send, peer, tag):
+        """Waits for an operation of p2p_start; returns the peer (for a receive from any rank,
+        the sender). Failures name the peer and its host."""
+        lay = self.layout
+        try:
+            if not work.wait():
+                raise RuntimeError("aborted")
+        except RuntimeError as exc:
+            detail = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+            if send:
+                what = f"send to {lay.describe_ranks([peer])}"
+            elif peer is None:
+                what = "recv from any rank"
+            else:
+                what = f"recv from {lay.describe_ranks([peer])}"
+            state = (f"timed out after {self._timeout_s:.1f} s" if "Timed out" in detail
+                     else "failed")
+            raise RuntimeError(f"ringreduce: {what} with tag {tag} on rank {lay.rank} (host "
+                               f"'{lay.labels[lay.host]}') {state}: {detail}") from exc
+        return work._source_rank() if peer is None else peer
 
     # ---- the three phases --------------------------------------------------------------
 

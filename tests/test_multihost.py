@@ -4,6 +4,7 @@ Hosts come from RINGREDUCE_HOST_ID (spawned ranks) or from torchrun's GROUP_RANK
 launchers); the hosts share no shared-memory segment and meet only through gloo over TCP. Each
 spawned launch runs many checks inside its ranks (starting a rank costs a torch import).
 """
+import datetime
 import hashlib
 import os
 import re
@@ -262,6 +263,117 @@ def test_uneven_hosts_3_and_1(tmp_path):
     for rank, (problems, _) in enumerate(out):
         assert not problems, f"rank {rank}:\n" + "\n".join(problems)
     assert len({d for _, d in out}) == 1
+
+
+# ---------------------------------------------------------------------------------------
+# gather, scatter, all-to-all and point-to-point across two hosts of two ranks (whole-group gloo).
+
+def _surface(rank, world, store):
+    os.environ["RINGREDUCE_HOST_ID"] = "ab"[rank // 2]
+    init(rank, world, store)
+    problems = []
+
+    def check(got, want, what):
+        if not (got.dtype == want.dtype and torch.equal(got, want)):
+            problems.append(f"{what}: got {got.tolist()}, want {want.tolist()}")
+
+    def data(r, n, dtype, salt=0):
+        return (torch.arange(n, dtype=torch.int64) * 3 + 100 * r + salt).to(dtype)
+
+    for dtype in (torch.float32, torch.bfloat16, torch.int8, torch.bool, torch.complex64):
+        for root in (0, 3):
+            mine = data(rank, 5, dtype)
+            outs = [torch.zeros(5, dtype=dtype) for _ in range(world)] if rank == root else None
+            dist.gather(mine, outs, dst=root)
+            if rank == root:
+                for r in range(world):
+                    check(outs[r], data(r, 5, dtype), f"gather {dtype} root {root} from {r}")
+            got = torch.zeros(5, dtype=dtype)
+            ins = [data(r, 5, dtype, root) for r in range(world)] if rank == root else None
+            dist.scatter(got, ins, src=root)
+            check(got, data(rank, 5, dtype, root), f"scatter {dtype} root {root}")
+
+    # Uneven splits: rank r sends (r + q) % 3 rows of 2 to rank q (none at all sometimes).
+    rows = [[(r + q) % 3 for q in range(world)] for r in range(world)]
+    for dtype in (torch.float64, torch.int16):
+        send = torch.cat([data(rank, rows[rank][q] * 2, dtype, 10 * q) for q in range(world)])
+        out = torch.full((sum(rows[r][rank] for r in range(world)), 2), -1).to(dtype)
+        dist.all_to_all_single(out, send.view(-1, 2), output_split_sizes=[rows[r][rank] for r in
+                                                                          range(world)],
+                               input_split_sizes=rows[rank])
+        want = torch.cat([data(r, rows[r][rank] * 2, dtype, 10 * rank) for r in range(world)])
+        check(out.view(-1), want, f"all_to_all_single uneven {dtype}")
+    outs = [torch.zeros(3, dtype=torch.int32) for _ in range(world)]
+    dist.all_to_all(outs, [data(rank, 3, torch.int32, q) for q in range(world)])
+    for r in range(world):
+        check(outs[r], data(r, 3, torch.int32, rank), f"all_to_all from {r}")
+
+    # send/recv with tags, across (0 <-> 2) and within (0 <-> 1) hosts: the receiver asks for
+    # the tags in the other order than they were sent.
+    for a, b in ((0, 2), (0, 1), (3, 1)):
+        if rank == a:
+            dist.send(data(a, 4, torch.float16, 1), dst=b, tag=1)
+            dist.send(data(a, 6, torch.int64, 2), dst=b, tag=2)
+        elif rank == b:
+            second = torch.zeros(6, dtype=torch.int64)
+            first = torch.zeros(4, dtype=torch.float16)
+            dist.recv(second, src=a, tag=2)
+            dist.recv(first, src=a, tag=1)
+            check(first, data(a, 4, torch.float16, 1), f"recv tag 1 from {a}")
+            check(second, data(a, 6, torch.int64, 2), f"recv tag 2 from {a}")
+    # Both ranks of a pair isend first, then irecv: across hosts (0-3, 1-2).
+    peer = world - 1 - rank
+    got = torch.zeros(7)
+    sent = dist.isend(data(rank, 7, torch.float32, 5), dst=peer, tag=7)
+    recvd = dist.irecv(got, src=peer, tag=7)
+    sent.wait()
+    recvd.wait()
+    check(got, data(peer, 7, torch.float32, 5), "isend then irecv")
+    # batch_isend_irecv around the ring (crosses hosts at 1->2 and 3->0), non-contiguous recv.
+    nxt, prv = (rank + 1) % world, (rank - 1) % world
+    buf = torch.zeros(4, 2, dtype=torch.int32)
+    ops = [dist.P2POp(dist.isend, data(rank, 4, torch.int32, 9), nxt, tag=3),
+           dist.P2POp(dist.irecv, buf[:, 0], prv, tag=3)]
+    for w in dist.batch_isend_irecv(ops):
+        w.wait()
+    check(buf[:, 0], data(prv, 4, torch.int32, 9), "batch_isend_irecv")
+    # recv from any source: rank 0 hears from 1, 2 and 3, each with its own size.
+    if rank == 0:
+        heard = {}
+        for _ in range(world - 1):
+            t = torch.zeros(8, dtype=torch.int64)
+            w = dist.irecv(t, tag=11)
+            w.wait()
+            heard[w._source_rank()] = t
+        for r in range(1, world):
+            check(heard.get(r, torch.zeros(0, dtype=torch.int64)), data(r, 8, torch.int64),
+                  f"recv from any source, rank {r}")
+    else:
+        dist.send(data(rank, 8, torch.int64), dst=0, tag=11)
+    dist.all_reduce(torch.ones(3))  # the group still works after all that
+
+    # A receive that never gets its message fails within the (short) timeout, naming the peer.
+    short = dist.new_group(backend="ringreduce", timeout=datetime.timedelta(seconds=2))
+    timed_out = ""
+    if rank == 0:
+        start = time.monotonic()
+        try:
+            dist.recv(torch.zeros(2), src=2, tag=99, group=short)
+            timed_out = "no error"
+        except RuntimeError as exc:
+            timed_out = f"{exc} [{time.monotonic() - start:.1f} s]"
+    dist.barrier()
+    dist.destroy_process_group()
+    return problems, timed_out
+
+
+def test_two_hosts_gather_scatter_all_to_all_and_p2p(tmp_path):
+    out = values(run_ranks(_surface, 4, tmp_path))
+    for rank, (problems, _) in enumerate(out):
+        assert not problems, f"rank {rank}:\n" + "\n".join(problems)
+    msg = out[0][1]
+    assert "recv from host 'b' (rank 2) with tag 99" in msg and "timed out" in msg, msg
+    print(msg)
 
 
 FAULT_TIMEOUT = 8.0

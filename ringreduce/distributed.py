@@ -68,7 +68,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from . import hierarchy
+from . import _env, hierarchy
 
 BACKEND_NAME = "ringreduce"
 DEFAULT_SHM_BYTES = 4 << 20
@@ -135,15 +135,6 @@ def _cuda_buffer_bytes():
     if value < 4096:
         raise ValueError(f"RINGREDUCE_CUDA_BUFFER_BYTES must be at least 4096; got {value}")
     return (value + 4095) // 4096 * 4096
-
-
-def _async_enabled():
-    raw = os.environ.get("RINGREDUCE_ASYNC", "1").strip().lower()
-    if raw in ("", "1", "true", "yes", "on"):
-        return True
-    if raw in ("0", "false", "no", "off"):
-        return False
-    raise ValueError(f"RINGREDUCE_ASYNC must be 0 or 1; got {raw!r}")
 
 
 def _seconds(timeout):
@@ -565,7 +556,7 @@ class RingReduceProcessGroup(_ProcessGroup):
         self._failure = None  # the first error the engine saw (the C++ group keeps its own)
         self._group_name = None
         self._group_desc = ""
-        self._async = _async_enabled()
+        self._async = _env.flag("RINGREDUCE_ASYNC")
         self._engine = _Engine(self) if self._async else None
         self._shut = False
 

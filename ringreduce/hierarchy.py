@@ -65,6 +65,8 @@ import time
 import torch
 import torch.distributed as dist
 
+from . import _env
+
 ENV_HOST_ID = "RINGREDUCE_HOST_ID"
 ENV_HIERARCHICAL = "RINGREDUCE_HIERARCHICAL"
 
@@ -96,12 +98,7 @@ def host_label():
 
 
 def hierarchical_enabled():
-    raw = os.environ.get(ENV_HIERARCHICAL, "1").strip().lower()
-    if raw in ("", "1", "true", "yes", "on"):
-        return True
-    if raw in ("0", "false", "no", "off"):
-        return False
-    raise ValueError(f"{ENV_HIERARCHICAL} must be 0 or 1; got {raw!r}")
+    return _env.flag(ENV_HIERARCHICAL)
 
 
 def _ranks_text(ranks):

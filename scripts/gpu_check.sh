@@ -7,14 +7,21 @@ cd "$(dirname "$0")/.."
 out=${OUT:-gpu-logs}
 mkdir -p "$out"
 # RINGREDUCE_REQUIRE_CUDA: tests/test_cuda.py fails instead of skipping if the build is CPU-only.
+# Every phase is bounded (PHASE_TIMEOUT seconds, and 120 s per test where pytest-timeout is
+# installed, as on the GPU machine), so a hang costs one phase, not the device call. The build
+# is for sm_90 only unless RINGREDUCE_CUDA_ARCH_LIST says otherwise (one device call builds).
 export PYTHONUNBUFFERED=1 RINGREDUCE_REQUIRE_CUDA=1 \
-  NCCL_MULTI_RANK_GPU_ENABLE=${NCCL_MULTI_RANK_GPU_ENABLE:-1}
+  NCCL_MULTI_RANK_GPU_ENABLE=${NCCL_MULTI_RANK_GPU_ENABLE:-1} \
+  RINGREDUCE_CUDA_ARCH_LIST=${RINGREDUCE_CUDA_ARCH_LIST:-9.0}
+limit=${PHASE_TIMEOUT:-540}
+per_test=()
+python3 -c "import pytest_timeout" 2>/dev/null && per_test=(--timeout=120)
 phases=${*:-tests ring resnet18 ddp}
 status=0
 run() {  # run NAME CMD...: tee the output to $out/NAME.log and remember a failure
   local name=$1; shift
   echo "== $name: $*" | tee "$out/$name.log"
-  "$@" 2>&1 | tee -a "$out/$name.log"
+  timeout "$limit" "$@" 2>&1 | tee -a "$out/$name.log"
   local rc=${PIPESTATUS[0]}
   echo "== $name exit $rc" | tee -a "$out/$name.log"
   [ "$rc" -eq 0 ] || status=1
@@ -24,7 +31,7 @@ run() {  # run NAME CMD...: tee the output to $out/NAME.log and remember a failu
 bash scripts/setup.sh > "$out/setup.log" 2>&1 || { cat "$out/setup.log"; exit 1; }
 for p in $phases; do
   case $p in
-    tests) run tests python3 -m pytest -q -rs tests ;;
+    tests) run tests python3 -m pytest -q -rs "${per_test[@]}" tests ;;
     ring) run ring python3 bench/ring.py --json "$out/ring.json" --plot "$out/ring.png" ;;
     resnet18) run resnet18 python3 bench/resnet18.py --device cuda:0 --ranks 4 --json "$out/resnet18.json" ;;
     ddp) run ddp python3 bench/ddp.py --device cuda --ranks 4 --json "$out/ddp.json" ;;

@@ -175,6 +175,7 @@ class RingReduceWork(_Work):
         self._error = None
         self._end = None
         self._source = -1
+        self._engine = self._job = None  # set while queued: wait() may run it (_Engine.help)
         self._fut = torch.futures.Future(devices=[device] if device is not None else None)
 
     def __repr__(self):
@@ -187,6 +188,7 @@ class RingReduceWork(_Work):
         so the future's own events are recorded on that stream)."""
         self._error = error
         self._end = end
+        self._engine = self._job = None
         if error is not None:
             self._fut.set_exception(error)
         else:
@@ -204,6 +206,9 @@ class RingReduceWork(_Work):
 
     def wait(self, timeout=None):
         seconds = _seconds(timeout) if timeout is not None else 0.0
+        engine, job = self._engine, self._job
+        if engine is not None and job is not None and not self._done.is_set():
+            engine.help(job)
         if seconds > 0:
             if not self._done.wait(seconds):
                 raise RuntimeError(f"ringreduce: {self._name} did not complete within the "
@@ -256,13 +261,19 @@ class _Engine:
     waiting for their timeout, and the collectives queued after it fail without running. On
     CUDA the thread also watches the end events of the collectives it queued, and fails the
     group when one has not completed within the group's timeout.
-    """
 
-    _STOP = object()
+    A caller that waits for a collective nobody has started yet, next in line while nothing
+    runs, runs it itself (help()): it would only block anyway, and this saves the two thread
+    hand-offs (about 0.1-0.4 ms each way on a loaded 2-core machine) that otherwise dominate a
+    small synchronous collective. Exactly one job runs at a time (`_busy`), in issue order.
+    """
 
     def __init__(self, pg):
         self._pg = pg
-        self._queue = queue.SimpleQueue()
+        self._cv = threading.Condition()
+        self._pending = collections.deque()  # jobs not started, in issue order
+        self._busy = False                   # a job is running (this thread or a helper)
+        self._stopping = False
         self._streams = {}
         self._streams_lock = threading.Lock()
         self._inflight = collections.deque()  # CUDA: (work, end event, deadline)
@@ -283,12 +294,34 @@ class _Engine:
             return bool(self._streams)
 
     def submit(self, job):
-        self._queue.put(job)
+        with self._cv:
+            self._pending.append(job)
+            self._cv.notify_all()
+
+    def help(self, job):
+        """Runs `job` in the calling thread if it is next and nothing runs; True if it did."""
+        with self._cv:
+            if self._busy or not self._pending or self._pending[0] is not job:
+                return False
+            self._pending.popleft()
+            self._busy = True
+        self._run(job)
+        return True
+
+    def _run(self, job):
+        try:
+            self._execute(job)
+        finally:
+            with self._cv:
+                self._busy = False
+                self._cv.notify_all()
 
     def stop(self, deadline):
         """Lets the queued collectives finish until `deadline` (monotonic seconds); after it,
         fails the group so that the rest fail at once. Returns when the thread has ended."""
-        self._queue.put(self._STOP)
+        with self._cv:
+            self._stopping = True
+            self._cv.notify_all()
         self._thread.join(max(0.0, deadline - time.monotonic()))
         if self._thread.is_alive():
             self._pg._fail("the process group was shut down with collectives still queued")
@@ -296,15 +329,17 @@ class _Engine:
 
     def _loop(self):
         while True:
-            try:
-                job = self._queue.get(timeout=0.05 if self._inflight else None)
-            except queue.Empty:
-                self._watch()
-                continue
-            if job is self._STOP:
-                return
-            self._execute(job)
-            self._watch()
+            with self._cv:
+                if self._busy or not self._pending:
+                    if not self._busy:
+                        self._watch()
+                        if self._stopping and not self._pending:
+                            return
+                    self._cv.wait(0.05 if self._inflight else None)
+                    continue
+                job = self._pending.popleft()
+                self._busy = True
+            self._run(job)
 
     def _execute(self, job):
         work = job.work
@@ -669,7 +704,9 @@ class RingReduceProcessGroup(_ProcessGroup):
             # allocator must not hand them out before, even if the caller drops the tensors.
             for t in cuda:
                 t.record_stream(stream)
-        self._engine.submit(_Job(work, run, device, ready, stream))
+        job = _Job(work, run, device, ready, stream)
+        work._engine, work._job = self._engine, job
+        self._engine.submit(job)
         return work
 
     def _one(self, tensors, name):

@@ -477,11 +477,7 @@ void all_reduce(HostGroup& g, Peers& p, void* data, int64_t count, DType dtype, 
     char* user = static_cast<char*>(data);
     // The part of chunk c that round i carries: elements [begin, begin + len) of the tensor.
     auto part = [&](int c, int64_t i, int64_t* begin) {
-      const Range r = chunk_range(count, n, esize, c);
-      const int64_t lo = std::min(r.count, i * piece);
-      const int64_t hi = std::min(r.count, (i + 1) * piece);
-      *begin = r.offset + lo;
-      return hi - lo;
+      return chunk_piece(count, n, esize, c, piece, i, begin);
     };
     for (int64_t i = 0; i < rounds; ++i) {
       const uint64_t base = g.base();

@@ -56,6 +56,18 @@ inline Range chunk_range(int64_t count, int nranks, int64_t elem_size, int chunk
   return Range{begin, end - begin};
 }
 
+// Staged executors move a large tensor in rounds, each carrying up to `piece` elements of every
+// ring chunk, so every element keeps the chunk (and so the reduction order) the whole-tensor
+// schedule gives it. Round `round` carries elements [*begin, *begin + result) of chunk `chunk`.
+inline int64_t chunk_piece(int64_t count, int nranks, int64_t elem_size, int chunk,
+                           int64_t piece, int64_t round, int64_t* begin) {
+  const Range r = chunk_range(count, nranks, elem_size, chunk);
+  const int64_t lo = r.count < round * piece ? r.count : round * piece;
+  const int64_t hi = r.count < (round + 1) * piece ? r.count : (round + 1) * piece;
+  *begin = r.offset + lo;
+  return hi - lo;
+}
+
 inline Step ring_step(int rank, int nranks, int64_t step, int shift = 0) {
   Step s;
   s.src_rank = mod(rank - 1, nranks);

@@ -85,7 +85,7 @@ def make_extensions():
     if os.path.isdir(os.path.join(ROOT, "csrc", "multiprocess")):
         exts.append(ext("ringreduce._dist_C",
                         sources("multiprocess/*.cpp", "ring/cpu_executor.cpp"),
-                        sources("multiprocess/*.cu", "ring/cuda_executor.cu")))
+                        sources("multiprocess/*.cu", "ring/cuda_kernels.cu")))
     return exts
 
 

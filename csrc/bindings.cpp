@@ -152,8 +152,8 @@ void check_device_support(const std::string& fn, const std::vector<at::Tensor>& 
 }
 
 // streams: empty (each device's current stream), or one per rank, each None (the current
-// stream of the rank's device) or a CUDA stream on the rank's device. Ranks that share a device
-// run in one kernel per step, so they must resolve to the same stream.
+// stream of the rank's device) or a CUDA stream on the rank's device. Ranks that resolve to one
+// stream run in one kernel per step; distinct streams on one device are separate lanes.
 void check_streams(const std::string& fn, const Streams& streams,
                    const std::vector<at::Tensor>& ranks, const std::string& list) {
   if (streams.empty()) return;
@@ -169,21 +169,6 @@ void check_streams(const std::string& fn, const Streams& streams,
                       " is on ", streams[i]->device(), " but ", item(list, i), " is on ",
                       ranks[i].device());
   }
-#ifdef RINGREDUCE_WITH_CUDA
-  auto resolve = [&](size_t i) {
-    return streams[i] ? c10::cuda::CUDAStream(*streams[i])
-                      : c10::cuda::getCurrentCUDAStream(ranks[i].device().index());
-  };
-  for (size_t i = 0; i < ranks.size(); ++i) {
-    for (size_t j = i + 1; j < ranks.size(); ++j) {
-      if (ranks[i].device() != ranks[j].device()) continue;
-      TORCH_CHECK_VALUE(resolve(i) == resolve(j), fn, ": ", item("streams", i), " and ",
-                        item("streams", j), " name different streams but ", item(list, i),
-                        " and ", item(list, j), " share ", ranks[i].device(), "; ranks on one "
-                        "device run on one stream (None means the device's current stream)");
-    }
-  }
-#endif
 }
 
 // The in-place writes go around autograd: tell it, as a torch in-place op would, so a tensor
@@ -237,41 +222,76 @@ std::vector<std::string> execute(const rr::Plan& plan, rr::DType dtype, rr::Op o
 #ifdef RINGREDUCE_WITH_CUDA
   // Restores the caller's device without creating a context on a device it never used.
   c10::cuda::CUDAGuard device_guard(ranks[0].device());
+  // Lanes: the distinct (device, stream) pairs; ranks on one device with distinct streams are
+  // "virtual devices", ordered by events like distinct GPUs.
+  std::vector<rr::cuda::Lane> lanes;
+  std::vector<c10::cuda::CUDAStream> lane_stream;
+  std::vector<int> rank_lane;
   for (int r = 0; r < nranks; ++r) {
-    const auto rd = ranks[r].device().index();
-    const auto pd = ranks[(r + nranks - 1) % nranks].device().index();
-    // Through torch, so its allocator also maps expandable segments / memory pools for the
-    // peer; the executor then finds access already enabled (or stages the pair).
-    if (rd != pd) at::cuda::get_p2p_access(rd, pd);
+    const auto dev = static_cast<c10::DeviceIndex>(ranks[r].get_device());
+    const c10::cuda::CUDAStream s = !streams.empty() && streams[r]
+                                        ? c10::cuda::CUDAStream(*streams[r])
+                                        : c10::cuda::getCurrentCUDAStream(dev);
+    size_t l = 0;
+    while (l < lane_stream.size() && lane_stream[l] != s) ++l;
+    if (l == lane_stream.size()) {
+      lanes.push_back(rr::cuda::Lane{int(dev), s.stream()});
+      lane_stream.push_back(s);
+    }
+    rank_lane.push_back(int(l));
   }
-  std::vector<int> rank_device;
-  std::vector<rr::cuda::DeviceStream> device_streams;
-  std::vector<c10::cuda::CUDAStream> stream_of_rank;
+  // Direct reads of the predecessor need peer access, enabled through torch so that its
+  // allocator also maps expandable segments / memory pools for the peer. A pair whose access
+  // cannot be enabled (get_p2p_access says no, or raises) is staged, and reported.
+  std::vector<std::string> staged;
+  std::vector<uint8_t> direct(size_t(nranks), 1);
   for (int r = 0; r < nranks; ++r) {
-    const int dev = ranks[r].get_device();
-    rank_device.push_back(dev);
-    stream_of_rank.push_back(!streams.empty() && streams[r]
-                                 ? c10::cuda::CUDAStream(*streams[r])
-                                 : c10::cuda::getCurrentCUDAStream(
-                                       static_cast<c10::DeviceIndex>(dev)));
-    bool seen = false;
-    for (const auto& s : device_streams) seen = seen || s.device == dev;
-    if (!seen) device_streams.push_back(rr::cuda::DeviceStream{dev, stream_of_rank[r].stream()});
+    const int p = (r + nranks - 1) % nranks;
+    const auto rd = ranks[r].device().index(), pd = ranks[p].device().index();
+    if (rd == pd) continue;
+    std::string why;
+    try {
+      direct[size_t(r)] = at::cuda::get_p2p_access(rd, pd) ? 1 : 0;
+    } catch (const c10::Error& e) {
+      direct[size_t(r)] = 0;
+      why = e.what_without_backtrace();
+      why = ": " + why.substr(0, why.find('\n'));
+    }
+    if (!direct[size_t(r)]) {
+      staged.push_back("rank " + std::to_string(r) + " (cuda:" + std::to_string(rd) +
+                       ") <- rank " + std::to_string(p) + " (cuda:" + std::to_string(pd) + ")" +
+                       why);
+    }
   }
-  // Each buffer is last touched on its own device's stream (the exit barrier orders every
-  // neighbour's reads before it); telling the caching allocator keeps a tensor the caller
-  // drops right away (and the workspaces, dropped on return) from being handed out before that
-  // stream reaches this point, even if the tensor was allocated on another stream.
+  // Each buffer is last touched on its lanes (the exit barrier orders every lane after every
+  // neighbour's reads); telling the caching allocator about one lane on the tensor's device
+  // keeps a tensor the caller drops right away (and the workspaces, dropped on return) from
+  // being handed out before that lane reaches this point, even if it was allocated elsewhere.
   for (const at::Tensor& t : touched) {
     for (int r = 0; r < nranks; ++r) {
-      if (rank_device[r] == t.get_device()) {
-        c10::cuda::CUDACachingAllocator::recordStream(t.storage().data_ptr(), stream_of_rank[r]);
+      if (ranks[r].get_device() == t.get_device()) {
+        c10::cuda::CUDACachingAllocator::recordStream(t.storage().data_ptr(),
+                                                      lane_stream[size_t(rank_lane[r])]);
         break;
       }
     }
   }
-  auto staged = rr::cuda::run(plan, rank_device.data(), nranks, dtype, op, device_streams.data(),
-                              int(device_streams.size()), transport == "copy");
+  // Staging buffers come from torch's caching allocator on the lane's own stream, the only
+  // stream that touches them: released on return, they are reused only in that stream's order
+  // (no host synchronisation, no growing raw allocation).
+  std::vector<at::Tensor> stage_buffers;
+  rr::cuda::RunOptions options;
+  options.direct = direct.data();
+  options.force_copy = transport == "copy";
+  options.alloc = [&](int device, cudaStream_t stream, size_t bytes) -> void* {
+    const auto dev = static_cast<c10::DeviceIndex>(device);
+    c10::cuda::CUDAStreamGuard on(c10::cuda::getStreamFromExternal(stream, dev));
+    stage_buffers.push_back(at::empty({int64_t(bytes)},
+                                      at::TensorOptions().dtype(at::kByte).device(at::kCUDA, dev)));
+    return stage_buffers.back().data_ptr();
+  };
+  rr::cuda::run(plan, rank_lane.data(), nranks, lanes.data(), int(lanes.size()), dtype, op,
+                options);
   bump_versions(written);
   return staged;
 #else

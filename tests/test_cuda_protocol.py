@@ -10,17 +10,13 @@ collectives. It cannot check anything about real GPUs: tests/test_distributed_cu
 """
 import os
 import re
-import shutil
 import subprocess
 import sys
 import time
 
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-CSRC = os.path.join(ROOT, "csrc")
-FAKE = os.path.join(ROOT, "tests", "fake_cuda")
-CXX = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
+from fake_cuda.build import CSRC, CXX, FAKE, build
 
 pytestmark = pytest.mark.skipif(CXX is None or not sys.platform.startswith("linux"),
                                 reason="needs a C++ compiler on Linux")
@@ -28,32 +24,13 @@ pytestmark = pytest.mark.skipif(CXX is None or not sys.platform.startswith("linu
 
 @pytest.fixture(scope="module")
 def driver(tmp_path_factory):
-    out = tmp_path_factory.mktemp("fake_cuda")
-    exe = out / "protocol_driver"
-    objs = []
-    sources = [(os.path.join(CSRC, "multiprocess", "cuda_collectives.cu"), ["-x", "c++"]),
-               (os.path.join(FAKE, "fake_runtime.cpp"), []),
-               (os.path.join(FAKE, "protocol_driver.cpp"), []),
-               (os.path.join(CSRC, "multiprocess", "host_group.cpp"), []),
-               (os.path.join(CSRC, "multiprocess", "cpu_collectives.cpp"), []),
-               (os.path.join(CSRC, "ring", "cpu_executor.cpp"), [])]
-    # The fake's include directory comes first, so <cuda_runtime.h> is the fake one.
-    flags = ["-std=c++17", "-O1", "-g", "-pthread", "-Wall", "-Werror",
-             "-I", os.path.join(FAKE, "include"), "-I", CSRC]
-    procs = []
-    for src, lang in sources:
-        obj = out / (os.path.basename(src) + ".o")
-        objs.append(str(obj))
-        procs.append((src, subprocess.Popen([CXX, *flags, *lang, "-c", src, "-o", str(obj)],
-                                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                            text=True)))
-    for src, proc in procs:
-        log, _ = proc.communicate(timeout=600)
-        assert proc.returncode == 0, f"compiling {src} failed:\n{log}"
-    link = subprocess.run([CXX, "-pthread", *objs, "-lrt", "-o", str(exe)],
-                          capture_output=True, text=True, timeout=300)
-    assert link.returncode == 0, link.stdout + link.stderr
-    return str(exe)
+    return build(tmp_path_factory.mktemp("fake_cuda"), "protocol_driver", [
+        os.path.join(CSRC, "multiprocess", "cuda_collectives.cu"),
+        os.path.join(FAKE, "fake_runtime.cpp"),
+        os.path.join(FAKE, "protocol_driver.cpp"),
+        os.path.join(CSRC, "multiprocess", "host_group.cpp"),
+        os.path.join(CSRC, "multiprocess", "cpu_collectives.cpp"),
+        os.path.join(CSRC, "ring", "cpu_executor.cpp")])
 
 
 def run(driver, n, staging, mode="check", timeout=280):

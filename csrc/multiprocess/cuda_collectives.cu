@@ -12,7 +12,7 @@
 #include <vector>
 
 #include "../ring/cuda_check.h"
-#include "../ring/cuda_executor.h"
+#include "../ring/cuda_kernels.h"
 #include "../ring/schedule.h"
 
 namespace rr {

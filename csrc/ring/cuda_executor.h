@@ -1,68 +1,55 @@
 // Single-process CUDA executor: one process owns every rank's buffer (several GPUs, or several
-// buffers on one GPU as "simulated ranks"). Torch-free: raw pointers, int64 counts, cudaStream_t.
-// Every CUDA error is thrown as std::runtime_error naming the call and what it was doing.
+// buffers on one GPU as "simulated ranks"). Torch-free and host-only (it queues the kernels of
+// cuda_kernels.h), so that tests/fake_cuda can run it on a CPU against a fake CUDA runtime.
 #pragma once
 
 #include <cuda_runtime.h>
 
+#include <cstddef>
 #include <cstdint>
-#include <string>
+#include <functional>
 #include <vector>
 
+#include "cuda_kernels.h"
 #include "plan.h"
 #include "types.h"
 
 namespace rr {
 namespace cuda {
 
-constexpr int kMaxRanks = 64;
-
-struct RankBuffer {
-  void* ptr;   // device pointer to the rank's `count` elements
-  int device;  // CUDA ordinal the buffer lives on
-};
-
-struct DeviceStream {
+// Where ranks run: one stream on one device. Ranks that share a lane run in one kernel per
+// step. Distinct lanes (distinct devices, or distinct streams on one device: "virtual
+// devices") are ordered by events exactly as distinct GPUs would be.
+struct Lane {
   int device;
-  cudaStream_t stream;  // the stream every piece of work for this device is queued on
+  cudaStream_t stream;
 };
 
-// One piece of a ring step: dst = combine(own, src) or dst = src for n elements. `own` left
-// null means dst itself (in place).
-struct Task {
-  void* dst;
-  const void* src;
-  int64_t n;
-  const void* own = nullptr;
+// Returns `bytes` of device memory on `device`, for use on `stream` only, valid until the
+// stream has finished the work queued on it so far and the work the executor queues next (a
+// stream-ordered allocation: torch's caching allocator gives exactly this).
+using StageAlloc = std::function<void*(int device, cudaStream_t stream, size_t bytes)>;
+
+struct RunOptions {
+  // Per rank: 1 if rank r's lane may read its ring predecessor's buffers directly (same
+  // device, or peer access from r's device to the predecessor's already enabled); 0 stages
+  // the hop through cudaMemcpyPeerAsync. Null: every rank may.
+  const uint8_t* direct = nullptr;
+  // Stage every hop, for testing and measuring the copy transport on one GPU.
+  bool force_copy = false;
+  // Staging buffers, asked for only when some hop is staged.
+  StageAlloc alloc;
 };
 
-// Launches one kernel that performs `ntasks` (<= kMaxRanks) tasks of one ring step on
-// `stream` (all pointers must be reachable from the stream's device). `reduce` selects
-// combine vs copy; `last` marks the final reduce-scatter hop (avg divides by `nranks`).
-void launch_step(const Task* tasks, int ntasks, DType dtype, Op op, bool reduce, bool last,
-                 int nranks, cudaStream_t stream);
-
-// Runs a plan (plan.h); rank r's buffers live on device rank_device[r]. `streams` names one
-// stream per distinct device among them; the call is ordered after work already queued there
-// and work queued there afterwards sees the result (cross-device dependencies go through
-// events). Neighbours without peer access are staged through cudaMemcpyPeerAsync;
-// `force_copy` stages every hop that way (for testing and measuring the copy transport on one
-// GPU). Returns descriptions of the pairs staged for lack of peer access.
-std::vector<std::string> run(const Plan& plan, const int* rank_device, int nranks, DType dtype,
-                             Op op, const DeviceStream* streams, int nstreams, bool force_copy);
-
-// All-reduce in place (all_reduce_plan run by run()).
-std::vector<std::string> all_reduce(const RankBuffer* bufs, int nranks, int64_t count,
-                                    DType dtype, Op op, const DeviceStream* streams,
-                                    int nstreams, bool force_copy);
-
-// Throws if this build has no kernel image that can run on `device`.
-void check_device_supported(int device);
-
-int device_count();
-// can[i][j]: device i can read device j's memory directly.
-std::vector<std::vector<int>> peer_access_matrix();
-std::string device_name(int device);
+// Runs a plan (plan.h); rank r runs on lanes[rank_lane[r]]. The call is ordered after the work
+// already queued on every lane, and work queued on any lane afterwards sees the result and may
+// overwrite the ranks' buffers. Everything that can fail before any work is queued is checked
+// first (lanes, ranks, stream capture, staging); an error while queuing makes every lane wait
+// for what was queued before the exception propagates, so no later work overtakes it.
+// Under CUDA-graph capture, only one lane without staging is accepted (a clear error
+// otherwise, thrown before anything is queued).
+void run(const Plan& plan, const int* rank_lane, int nranks, const Lane* lanes, int nlanes,
+         DType dtype, Op op, const RunOptions& options);
 
 }  // namespace cuda
 }  // namespace rr

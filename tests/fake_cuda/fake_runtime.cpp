@@ -1,5 +1,5 @@
 // The fake CUDA runtime (see include/cuda_runtime.h), plus the two functions of
-// csrc/ring/cuda_executor.h that the multi-process collectives call.
+// csrc/ring/cuda_kernels.h that the multi-process collectives call.
 #include <cuda_runtime.h>
 #include <fcntl.h>
 #include <sys/mman.h>
@@ -22,7 +22,7 @@
 #include <vector>
 
 #include "ring/cpu_executor.h"
-#include "ring/cuda_executor.h"
+#include "ring/cuda_kernels.h"
 
 namespace {
 

@@ -1,5 +1,8 @@
-// A fake of the few CUDA runtime calls that csrc/multiprocess/cuda_collectives.cu makes, so that
-// its multi-process protocol runs on a machine without a GPU (tests/test_cuda_protocol.py).
+// A fake of the few CUDA runtime calls that csrc/multiprocess/cuda_collectives.cu and
+// csrc/ring/cuda_executor.cu make, so that they run on a machine without a GPU. Two fakes
+// implement it. fake_runtime.cpp, for the multi-process protocol (tests/test_cuda_protocol.py),
+// is described below; fake_lanes.cpp, for the single-process executor
+// (tests/test_cuda_lanes.py), is described in fake_lanes.h.
 // "Device" memory is POSIX shared memory (IPC handles carry its name), a stream is a worker
 // thread that runs its queued operations in order after random delays, and an event is a set of
 // per-record completion counters in shared memory, with CUDA's semantics: a wait waits for the
@@ -27,6 +30,11 @@ struct cudaDeviceProp {
   char name[256];
 };
 enum cudaMemcpyKind { cudaMemcpyDefault = 4 };
+enum cudaStreamCaptureStatus {
+  cudaStreamCaptureStatusNone = 0,
+  cudaStreamCaptureStatusActive = 1,
+  cudaStreamCaptureStatusInvalidated = 2
+};
 #define cudaEventDisableTiming 0x02u
 #define cudaEventInterprocess 0x04u
 #define cudaStreamNonBlocking 0x01u
@@ -55,6 +63,9 @@ cudaError_t cudaStreamQuery(cudaStream_t stream);
 cudaError_t cudaStreamWaitEvent(cudaStream_t stream, cudaEvent_t event, unsigned flags);
 cudaError_t cudaMemcpyAsync(void* dst, const void* src, size_t bytes, cudaMemcpyKind kind,
                             cudaStream_t stream);
+cudaError_t cudaMemcpyPeerAsync(void* dst, int dst_device, const void* src, int src_device,
+                                size_t bytes, cudaStream_t stream);
+cudaError_t cudaStreamIsCapturing(cudaStream_t stream, cudaStreamCaptureStatus* status);
 
 // Test-only: blocks until everything queued on `stream` has run.
 void fake_stream_sync(cudaStream_t stream);

@@ -1,0 +1,214 @@
+// The ring's kernels: one launch per lane per ring step (csrc/ring/cuda_executor.cu queues
+// them), also used by the multi-process CUDA collectives; plus device queries. Torch-free.
+//
+// Why kernels that read the predecessor's buffer directly rather than cudaMemcpyPeerAsync into
+// a staging buffer plus a local reduce: the fused kernel reads the peer chunk once and writes
+// the result once (3 bytes of traffic per byte reduced: read mine, read peer, write mine); the
+// copy-engine design adds a write and a read of the staging buffer (5, see docs/DESIGN.md),
+// and needs a scratch allocation. The staged design is used for neighbour pairs without peer
+// access, and everywhere when the caller forces it (RINGREDUCE_TRANSPORT=copy), which makes
+// it testable and measurable on one GPU. This choice is the design's prediction; bench/ring.py
+// run with both transports on a GPU decides it.
+#include "cuda_kernels.h"
+
+#include <algorithm>
+#include <array>
+#include <atomic>
+#include <map>
+#include <mutex>
+#include <stdexcept>
+
+#include "cuda_check.h"
+
+namespace rr {
+namespace cuda {
+
+namespace {
+
+constexpr int kThreads = 512;
+
+struct StepParams {
+  Task task[kMaxRanks];
+  int nranks;
+};
+
+template <typename T, Op op, bool kReduce, bool kLast>
+__device__ __forceinline__ T apply(T mine, T incoming, typename Reducer<T, op>::D divisor) {
+  if (!kReduce) return incoming;
+  if (kLast) return Reducer<T, op>::last_step(mine, incoming, divisor);
+  return Reducer<T, op>::step(mine, incoming);
+}
+
+// blockIdx.y picks the task (one rank's chunk); blockIdx.x and threads stride over it. 16-byte
+// vectors when both pointers are 16-byte aligned (chunk offsets always are, so this depends
+// only on the tensors' own alignment), element by element otherwise and for the tail.
+template <typename T, Op op, bool kReduce, bool kLast>
+__global__ void __launch_bounds__(kThreads) step_kernel(const __grid_constant__ StepParams p) {
+  using D = typename Reducer<T, op>::D;
+  const Task& task = p.task[blockIdx.y];
+  T* dst = static_cast<T*>(task.dst);
+  const T* own = task.own != nullptr ? static_cast<const T*>(task.own) : dst;
+  const T* src = static_cast<const T*>(task.src);
+  const int64_t n = task.n;
+  const D divisor = D(p.nranks);
+  const int64_t stride = int64_t(gridDim.x) * blockDim.x;
+  const int64_t tid = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  constexpr int kVec = 16 / int(sizeof(T));
+
+  int64_t head = 0;
+  if (((reinterpret_cast<uintptr_t>(dst) | reinterpret_cast<uintptr_t>(own) |
+        reinterpret_cast<uintptr_t>(src)) & 15) == 0) {
+    const int64_t nvec = n / kVec;
+    uint4* dv = reinterpret_cast<uint4*>(dst);
+    const uint4* ov = reinterpret_cast<const uint4*>(own);
+    const uint4* sv = reinterpret_cast<const uint4*>(src);
+    for (int64_t i = tid; i < nvec; i += stride) {
+      uint4 in = sv[i];
+      if (kReduce) {
+        uint4 mine = ov[i];
+        T m[kVec], x[kVec];
+        memcpy(m, &mine, 16);
+        memcpy(x, &in, 16);
+#pragma unroll
+        for (int j = 0; j < kVec; ++j) m[j] = apply<T, op, kReduce, kLast>(m[j], x[j], divisor);
+        memcpy(&in, m, 16);
+      }
+      dv[i] = in;
+    }
+    head = nvec * kVec;
+  }
+  for (int64_t i = head + tid; i < n; i += stride) {
+    dst[i] = apply<T, op, kReduce, kLast>(own[i], src[i], divisor);
+  }
+}
+
+template <typename T, Op op, bool kReduce, bool kLast>
+const void* kernel_ptr() {
+  return reinterpret_cast<const void*>(&step_kernel<T, op, kReduce, kLast>);
+}
+
+int sm_count(int device) {
+  static std::array<std::atomic<int>, 256> cache{};
+  if (device < 0 || device >= int(cache.size())) return 1;
+  int v = cache[device].load(std::memory_order_relaxed);
+  if (v == 0) {
+    RR_CUDA_CHECK(cudaDeviceGetAttribute(&v, cudaDevAttrMultiProcessorCount, device),
+                  "reading the SM count of cuda:" + std::to_string(device));
+    cache[device].store(v, std::memory_order_relaxed);
+  }
+  return v;
+}
+
+int blocks_per_sm(const void* fn, int device) {
+  static std::mutex mu;
+  static std::map<std::pair<const void*, int>, int> cache;
+  std::lock_guard<std::mutex> lock(mu);
+  auto it = cache.find({fn, device});
+  if (it != cache.end()) return it->second;
+  int n = 0;
+  RR_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, fn, kThreads, 0),
+                "computing the occupancy of a ring kernel on cuda:" + std::to_string(device));
+  n = std::max(n, 1);
+  cache[{fn, device}] = n;
+  return n;
+}
+
+std::mutex g_mutex;
+std::map<int, bool> g_supported;
+
+}  // namespace
+
+void launch_step(const Task* tasks, int ntasks, DType dtype, Op op, bool reduce, bool last,
+                 int nranks, cudaStream_t stream) {
+  if (ntasks <= 0) return;
+  if (ntasks > kMaxRanks) throw std::runtime_error("ringreduce: too many tasks in one step");
+  StepParams p;
+  int64_t max_n = 0;
+  for (int i = 0; i < ntasks; ++i) {
+    p.task[i] = tasks[i];
+    max_n = std::max(max_n, tasks[i].n);
+  }
+  p.nranks = nranks;
+  if (max_n == 0) return;
+  int device = 0;
+  RR_CUDA_CHECK(cudaGetDevice(&device), "launching a ring step");
+  const void* fn = nullptr;
+  // Copies do not depend on the operator: one copy kernel per dtype.
+  RR_DISPATCH(dtype, reduce ? op : Op::Sum,
+              fn = reduce ? (last ? kernel_ptr<T, kOp, true, true>()
+                                  : kernel_ptr<T, kOp, true, false>())
+                          : kernel_ptr<T, kOp, false, false>());
+  const int64_t esize = elem_size(dtype);
+  const int64_t vec = 16 / esize;
+  const int64_t want = (max_n / vec + kThreads) / kThreads;
+  // One full wave of resident blocks across all tasks of the launch fills the chip; how many
+  // fit per SM depends on each instantiation's registers (29-50 on sm_90 per ptxas -v).
+  const int64_t cap =
+      std::max<int64_t>(1, int64_t(blocks_per_sm(fn, device)) * sm_count(device) / ntasks);
+  const dim3 grid(unsigned(std::min(std::max<int64_t>(want, 1), cap)), unsigned(ntasks));
+  void* args[] = {&p};
+  RR_CUDA_CHECK(cudaLaunchKernel(fn, grid, dim3(kThreads), args, 0, stream),
+                std::string("launching the ") + (reduce ? "reduce" : "copy") + " kernel for " +
+                    dtype_name(dtype) + " " + op_name(op) + " on cuda:" + std::to_string(device));
+}
+
+void check_device_supported(int device) {
+  std::lock_guard<std::mutex> lock(g_mutex);
+  auto it = g_supported.find(device);
+  if (it != g_supported.end() && it->second) return;
+  DeviceGuard guard;
+  guard.set(device);
+  cudaFuncAttributes attr;
+  cudaError_t err = cudaFuncGetAttributes(&attr, kernel_ptr<float, Op::Sum, true, false>());
+  if (err == cudaErrorNoKernelImageForDevice || err == cudaErrorInvalidDeviceFunction) {
+    cudaGetLastError();
+    int major = 0, minor = 0;
+    cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device);
+    cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device);
+    throw std::runtime_error(
+        "ringreduce was compiled for compute capabilities '" RINGREDUCE_ARCH_LIST
+        "' (RINGREDUCE_CUDA_ARCH_LIST), which cannot run on cuda:" + std::to_string(device) + " (compute capability " +
+        std::to_string(major) + "." + std::to_string(minor) +
+        "); rebuild with RINGREDUCE_CUDA_ARCH_LIST including " + std::to_string(major) + "." +
+        std::to_string(minor));
+  }
+  if (err != cudaSuccess) fail(err, "cudaFuncGetAttributes", "checking cuda:" + std::to_string(device));
+  g_supported[device] = true;
+}
+
+int device_count() {
+  int n = 0;
+  cudaError_t err = cudaGetDeviceCount(&n);
+  if (err == cudaErrorNoDevice || err == cudaErrorInsufficientDriver) {
+    cudaGetLastError();
+    return 0;
+  }
+  if (err != cudaSuccess) fail(err, "cudaGetDeviceCount", "counting devices");
+  return n;
+}
+
+std::vector<std::vector<int>> peer_access_matrix() {
+  const int n = device_count();
+  std::vector<std::vector<int>> m(n, std::vector<int>(n, 0));
+  for (int i = 0; i < n; ++i) {
+    for (int j = 0; j < n; ++j) {
+      if (i == j) {
+        m[i][j] = 1;
+      } else {
+        RR_CUDA_CHECK(cudaDeviceCanAccessPeer(&m[i][j], i, j),
+                      "asking whether cuda:" + std::to_string(i) + " can access cuda:" +
+                          std::to_string(j));
+      }
+    }
+  }
+  return m;
+}
+
+std::string device_name(int device) {
+  cudaDeviceProp prop;
+  RR_CUDA_CHECK(cudaGetDeviceProperties(&prop, device), "reading cuda:" + std::to_string(device));
+  return prop.name;
+}
+
+}  // namespace cuda
+}  // namespace rr

@@ -1,0 +1,45 @@
+// The ring's CUDA kernels and device queries. Torch-free: raw pointers, int64 counts,
+// cudaStream_t. Every CUDA error is thrown as std::runtime_error naming the call and what it was
+// doing.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "types.h"
+
+namespace rr {
+namespace cuda {
+
+// The most ranks one launch serves (the kernel's parameter block holds one task per rank).
+constexpr int kMaxRanks = 64;
+
+// One piece of a ring step: dst = combine(own, src) or dst = src for n elements. `own` left
+// null means dst itself (in place).
+struct Task {
+  void* dst;
+  const void* src;
+  int64_t n;
+  const void* own = nullptr;
+};
+
+// Launches one kernel that performs `ntasks` (<= kMaxRanks) tasks of one ring step on
+// `stream`, which belongs to the current device (all pointers must be reachable from it).
+// `reduce` selects combine vs copy; `last` marks the final reduce-scatter hop (avg divides by
+// `nranks`).
+void launch_step(const Task* tasks, int ntasks, DType dtype, Op op, bool reduce, bool last,
+                 int nranks, cudaStream_t stream);
+
+// Throws if this build has no kernel image that can run on `device`.
+void check_device_supported(int device);
+
+int device_count();
+// can[i][j]: device i can read device j's memory directly.
+std::vector<std::vector<int>> peer_access_matrix();
+std::string device_name(int device);
+
+}  // namespace cuda
+}  // namespace rr

@@ -1,0 +1,292 @@
+// The lazy fake CUDA runtime of include/fake_lanes.h, plus launch_step of
+// csrc/ring/cuda_kernels.h (the executor's kernels, run by the CPU executor's combine).
+// Single-threaded: the executor queues, fake_drain() runs.
+#include "fake_lanes.h"
+
+#include <cstdio>
+#include <cstring>
+#include <deque>
+#include <map>
+#include <memory>
+#include <random>
+#include <set>
+#include <stdexcept>
+#include <vector>
+
+#include "ring/cpu_executor.h"
+#include "ring/cuda_kernels.h"
+
+struct FakeEvent {
+  int device;
+  uint64_t latest = 0;      // id of the most recent record operation, 0: never recorded
+  long latest_mark = 0;     // the fake_mark() generation of that record
+};
+
+struct FakeOperation {
+  uint64_t id = 0;            // queue order across all streams
+  std::function<void()> fn;   // kernels and copies
+  uint64_t waits_for = 0;     // a wait: the record operation it refers to (0: none)
+  bool is_record = false;
+};
+
+struct FakeStream {
+  int device;
+  int index;
+  bool capturing = false;
+  std::deque<FakeOperation> queue;
+};
+
+namespace {
+
+struct State {
+  int ndevices = 1;
+  int current = 0;
+  std::vector<std::unique_ptr<FakeStream>> owned;
+  std::vector<FakeStream*> streams;  // not yet released
+  std::vector<std::unique_ptr<FakeEvent>> events;
+  std::set<uint64_t> done;  // record operations that have run
+  std::map<uint64_t, FakeStream*> recorded_on;  // record operation -> its stream
+  uint64_t next_id = 1;
+  FakePolicy policy = kFakeOldest;
+  FakeStream* prefer = nullptr;
+  std::mt19937 rng;
+  long fail_in = -1, drop_in = -1;
+  long mark = 0, stale = 0, failable = 0;
+  std::string log;
+};
+
+State g;
+
+// Counts a call that can fail; true if this one must.
+bool inject_failure() {
+  ++g.failable;
+  if (g.fail_in < 0) return false;
+  return g.fail_in-- == 0;
+}
+
+cudaError_t queue(cudaStream_t s, FakeOperation op, char letter) {
+  if (s == nullptr) return cudaErrorInvalidValue;
+  op.id = g.next_id++;
+  s->queue.push_back(std::move(op));
+  g.log += letter;
+  return cudaSuccess;
+}
+
+bool runnable(const FakeStream& s) {
+  if (s.queue.empty()) return false;
+  const FakeOperation& op = s.queue.front();
+  return op.waits_for == 0 || g.done.count(op.waits_for) > 0;
+}
+
+}  // namespace
+
+void fake_init(int ndevices) { g.ndevices = ndevices; }
+
+cudaStream_t fake_stream(int device) {
+  g.owned.push_back(std::make_unique<FakeStream>());
+  FakeStream* s = g.owned.back().get();
+  s->device = device;
+  s->index = int(g.owned.size()) - 1;
+  g.streams.push_back(s);
+  return s;
+}
+
+void fake_release_streams() {
+  std::vector<FakeStream*> keep;
+  for (FakeStream* s : g.streams) {
+    if (!s->queue.empty()) keep.push_back(s);
+  }
+  g.streams.swap(keep);
+}
+
+int fake_stream_index(cudaStream_t stream) { return stream->index; }
+
+void fake_set_policy(FakePolicy policy, cudaStream_t prefer, unsigned seed) {
+  g.policy = policy;
+  g.prefer = prefer;
+  g.rng.seed(seed);
+}
+
+void fake_enqueue(cudaStream_t stream, std::function<void()> fn) {
+  FakeOperation op;
+  op.fn = std::move(fn);
+  queue(stream, std::move(op), 'U');
+}
+
+namespace {
+
+void run_front(FakeStream* s) {
+  FakeOperation op = std::move(s->queue.front());
+  s->queue.pop_front();
+  if (op.fn) op.fn();
+  if (op.is_record) g.done.insert(op.id);
+}
+
+// Runs one operation: `s`'s next one if it can run, otherwise (recursively) the next
+// operation of the stream holding the record that `s` waits for. False on a cycle.
+bool advance(FakeStream* s, size_t depth) {
+  if (depth > g.streams.size()) return false;
+  if (runnable(*s)) {
+    run_front(s);
+    return true;
+  }
+  auto it = g.recorded_on.find(s->queue.front().waits_for);
+  return it != g.recorded_on.end() && advance(it->second, depth + 1);
+}
+
+}  // namespace
+
+bool fake_drain() {
+  for (;;) {
+    // Prefer: the chosen stream runs as far ahead as CUDA allows; others run only what it
+    // waits for.
+    if (g.policy == kFakePrefer && g.prefer != nullptr && !g.prefer->queue.empty()) {
+      if (!advance(g.prefer, 0)) {
+        std::fprintf(stderr, "fake_lanes: queued waits can never be satisfied\n");
+        return false;
+      }
+      continue;
+    }
+    std::vector<FakeStream*> ready;
+    bool pending = false;
+    for (FakeStream* s : g.streams) {
+      pending = pending || !s->queue.empty();
+      if (runnable(*s)) ready.push_back(s);
+    }
+    if (ready.empty()) {
+      if (pending) std::fprintf(stderr, "fake_lanes: queued waits can never be satisfied\n");
+      return !pending;
+    }
+    FakeStream* pick = ready[0];
+    auto id = [](FakeStream* s) { return s->queue.front().id; };
+    for (FakeStream* s : ready) {
+      switch (g.policy) {
+        case kFakeOldest:
+        case kFakePrefer:
+          if (id(s) < id(pick)) pick = s;
+          break;
+        case kFakeNewest:
+          if (id(s) > id(pick)) pick = s;
+          break;
+        case kFakeRandom:
+          break;
+      }
+    }
+    if (g.policy == kFakeRandom) pick = ready[g.rng() % ready.size()];
+    run_front(pick);
+  }
+}
+
+void fake_fail_call(long n) { g.fail_in = n; }
+void fake_drop_wait(long n) { g.drop_in = n; }
+void fake_set_capturing(cudaStream_t stream, bool capturing) { stream->capturing = capturing; }
+
+void fake_mark() {
+  ++g.mark;
+  g.log.clear();
+  g.failable = 0;
+}
+
+long fake_stale_waits() { return g.stale; }
+std::string fake_log() { return g.log; }
+long fake_failable_calls() { return g.failable; }
+
+cudaError_t cudaGetLastError() { return cudaSuccess; }
+const char* cudaGetErrorName(cudaError_t err) {
+  return err == cudaSuccess ? "cudaSuccess" : "cudaErrorFake";
+}
+const char* cudaGetErrorString(cudaError_t) { return "an error injected by fake_lanes"; }
+
+cudaError_t cudaGetDevice(int* device) {
+  *device = g.current;
+  return cudaSuccess;
+}
+
+cudaError_t cudaSetDevice(int device) {
+  if (device < 0 || device >= g.ndevices) return cudaErrorInvalidValue;
+  g.current = device;
+  return cudaSuccess;
+}
+
+cudaError_t cudaEventCreateWithFlags(cudaEvent_t* event, unsigned) {
+  if (inject_failure()) return cudaErrorUnknown;
+  g.events.push_back(std::make_unique<FakeEvent>());
+  g.events.back()->device = g.current;
+  *event = g.events.back().get();
+  return cudaSuccess;
+}
+
+cudaError_t cudaEventRecord(cudaEvent_t event, cudaStream_t stream) {
+  if (inject_failure()) return cudaErrorUnknown;
+  // As on a GPU, an event is recorded only on a stream of the device it was created on.
+  if (event == nullptr || stream == nullptr || event->device != stream->device) {
+    return cudaErrorInvalidValue;
+  }
+  FakeOperation op;
+  op.is_record = true;
+  cudaError_t err = queue(stream, std::move(op), 'R');
+  event->latest = stream->queue.back().id;
+  g.recorded_on[event->latest] = stream;
+  event->latest_mark = g.mark;
+  return err;
+}
+
+cudaError_t cudaStreamWaitEvent(cudaStream_t stream, cudaEvent_t event, unsigned) {
+  if (inject_failure()) return cudaErrorUnknown;
+  if (event == nullptr) return cudaErrorInvalidValue;
+  if (event->latest != 0 && event->latest_mark != g.mark) ++g.stale;
+  if (g.drop_in >= 0 && g.drop_in-- == 0) {
+    g.log += 'w';
+    return cudaSuccess;
+  }
+  FakeOperation op;
+  op.waits_for = event->latest;
+  return queue(stream, std::move(op), 'W');
+}
+
+cudaError_t cudaMemcpyPeerAsync(void* dst, int dst_device, const void* src, int src_device,
+                                size_t bytes, cudaStream_t stream) {
+  if (inject_failure()) return cudaErrorUnknown;
+  if (stream == nullptr || stream->device != dst_device || src_device < 0 ||
+      src_device >= g.ndevices) {
+    return cudaErrorInvalidValue;
+  }
+  FakeOperation op;
+  op.fn = [=] { std::memcpy(dst, src, bytes); };
+  return queue(stream, std::move(op), 'C');
+}
+
+cudaError_t cudaStreamIsCapturing(cudaStream_t stream, cudaStreamCaptureStatus* status) {
+  if (inject_failure()) return cudaErrorUnknown;
+  *status = stream->capturing ? cudaStreamCaptureStatusActive : cudaStreamCaptureStatusNone;
+  return cudaSuccess;
+}
+
+namespace rr {
+namespace cuda {
+
+void launch_step(const Task* tasks, int ntasks, DType dtype, Op op, bool reduce, bool last,
+                 int nranks, cudaStream_t stream) {
+  if (inject_failure()) throw std::runtime_error("ringreduce: injected launch failure");
+  // A kernel runs on the current device's streams only.
+  if (stream == nullptr || stream->device != g.current) {
+    throw std::runtime_error("fake_lanes: launch on a stream of another device");
+  }
+  if (ntasks > kMaxRanks) throw std::runtime_error("fake_lanes: too many tasks in one launch");
+  std::vector<Task> copy(tasks, tasks + ntasks);
+  FakeOperation o;
+  o.fn = [=] {
+    for (const Task& t : copy) {
+      if (reduce) {
+        rr::cpu::combine(dtype, op, t.dst, t.own != nullptr ? t.own : t.dst, t.src, t.n, last,
+                         nranks);
+      } else {
+        std::memmove(t.dst, t.src, size_t(t.n * elem_size(dtype)));
+      }
+    }
+  };
+  queue(stream, std::move(o), 'L');
+}
+
+}  // namespace cuda
+}  // namespace rr

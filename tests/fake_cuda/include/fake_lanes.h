@@ -1,0 +1,50 @@
+// Test controls of fake_lanes.cpp, a fake CUDA runtime for the single-process executor
+// (csrc/ring/cuda_executor.cu) on a machine without a GPU.
+//
+// Nothing runs when it is queued: streams keep their operations (kernels, copies, event
+// records and waits) until fake_drain(), which runs them one at a time in an order chosen by a
+// policy among every order CUDA allows (stream order, and a wait blocks its stream until the
+// record it refers to has run). An adversarial policy runs one lane as far ahead as it can,
+// running on other lanes only what it waits for, so a missing wait shows up as wrong bytes. Events follow CUDA: a wait refers to the event's most
+// recent record at the time of the call; an unrecorded event is complete. Kernels
+// (launch_step) run the CPU executor's combine. It also injects errors into the N-th call,
+// drops the N-th wait, pretends a stream is being captured, and logs every queued operation.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <functional>
+#include <string>
+
+enum FakePolicy {
+  kFakeOldest = 0,  // in the order the host queued the work
+  kFakeNewest = 1,  // the most recently queued runnable operation first
+  kFakePrefer = 2,  // `stream` as far ahead as it can: others run only what it waits for
+  kFakeRandom = 3,  // uniformly among the runnable operations (seeded)
+};
+
+// Events live as long as the process (the executor keeps its own across calls).
+void fake_init(int ndevices);
+cudaStream_t fake_stream(int device);
+// Stops scheduling the streams made so far that have nothing queued (and never uses them again).
+void fake_release_streams();
+int fake_stream_index(cudaStream_t stream);
+void fake_set_policy(FakePolicy policy, cudaStream_t prefer = nullptr, unsigned seed = 0);
+// Queues host code on a stream as if it were a kernel of the user's.
+void fake_enqueue(cudaStream_t stream, std::function<void()> fn);
+// Runs everything queued; returns false (and says why on stderr) if the queued waits can
+// never all be satisfied.
+bool fake_drain();
+// The n-th (0-based) call from now that can fail returns cudaErrorUnknown (launches throw);
+// -1 disables.
+void fake_fail_call(long n);
+// The n-th (0-based) cudaStreamWaitEvent from now is accepted and ignored; -1 disables.
+void fake_drop_wait(long n);
+void fake_set_capturing(cudaStream_t stream, bool capturing);
+// Starts a new call: a later wait on an event whose latest record came before this mark
+// counts as stale.
+void fake_mark();
+long fake_stale_waits();
+// One letter per operation queued since fake_mark(): W wait, R record, L launch, C copy.
+std::string fake_log();
+long fake_failable_calls();  // calls that could fail since fake_mark()

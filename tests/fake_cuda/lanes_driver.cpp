@@ -1,0 +1,562 @@
+// Drives csrc/ring/cuda_executor.cu on the fake runtime of fake_lanes.h (tests/test_cuda_lanes.py).
+//
+//   lanes_driver matrix     every layout x collective x transport x schedule, several calls
+//                           back to back with the user's work between them, byte for byte
+//                           against the CPU executor
+//   lanes_driver failures   an error injected into each call of a run in turn: the run throws,
+//                           the lanes are joined, no later call waits on a stale record, and
+//                           the next call is right
+//   lanes_driver capture    what is refused under stream capture, and that it queues nothing
+//   lanes_driver dropwait   each wait the executor queues dropped in turn: every per-step wait
+//                           is needed (some schedule then gives wrong bytes)
+// Prints one line per finding and a summary; exits 1 if anything is wrong.
+#include <cstdio>
+#include <cstring>
+#include <exception>
+#include <map>
+#include <string>
+#include <vector>
+
+#include "fake_lanes.h"
+#include "ring/cpu_executor.h"
+#include "ring/cuda_executor.h"
+#include "ring/plan.h"
+
+namespace {
+
+using rr::DType;
+using rr::Op;
+using Bytes = std::vector<unsigned char>;
+
+constexpr int kDevices = 8;
+constexpr int64_t kCapacity = 4099;  // elements per rank block
+
+struct Layout {
+  std::string name;
+  std::vector<int> lane_device;  // per lane
+  std::vector<int> rank_lane;    // per rank
+  std::vector<uint8_t> direct;   // per rank
+};
+
+// single: one lane; devices: a GPU per rank; virtual: a stream per rank on one GPU;
+// mixed: three lanes (two share a GPU), ranks dealt round-robin; nopeer: a GPU per rank and
+// rank 1 cannot read rank 0's memory directly.
+std::vector<Layout> layouts(int n) {
+  std::vector<Layout> out;
+  Layout single{"single", {0}, std::vector<int>(size_t(n), 0), {}};
+  Layout devices{"devices", {}, {}, {}}, virt{"virtual", {}, {}, {}};
+  for (int r = 0; r < n; ++r) {
+    devices.lane_device.push_back(r);
+    devices.rank_lane.push_back(r);
+    virt.lane_device.push_back(0);
+    virt.rank_lane.push_back(r);
+  }
+  Layout mixed{"mixed", n >= 3 ? std::vector<int>{0, 0, 1} : std::vector<int>{0, 1}, {}, {}};
+  for (int r = 0; r < n; ++r) mixed.rank_lane.push_back(r % int(mixed.lane_device.size()));
+  Layout nopeer = devices;
+  nopeer.name = "nopeer";
+  nopeer.direct.assign(size_t(n), 1);
+  nopeer.direct[1] = 0;
+  out = {single, devices, virt, mixed, nopeer};
+  return out;
+}
+
+enum class Coll { AllReduce, AllReduceOut, Reduce, Broadcast, AllGather, ReduceScatter };
+const char* coll_name(Coll c) {
+  switch (c) {
+    case Coll::AllReduce: return "all_reduce";
+    case Coll::AllReduceOut: return "all_reduce(outputs)";
+    case Coll::Reduce: return "reduce";
+    case Coll::Broadcast: return "broadcast";
+    case Coll::AllGather: return "all_gather";
+    case Coll::ReduceScatter: return "reduce_scatter";
+  }
+  return "?";
+}
+const Coll kColls[] = {Coll::AllReduce, Coll::AllReduceOut, Coll::Reduce, Coll::Broadcast,
+                       Coll::AllGather, Coll::ReduceScatter};
+
+// One rank's memory: an input, an output and a workspace, each big enough for N blocks.
+struct Rank {
+  Bytes in, out, work;
+};
+
+uint32_t mix(uint64_t x) {
+  x ^= x >> 33;
+  x *= 0xff51afd7ed558ccdull;
+  x ^= x >> 33;
+  x *= 0xc4ceb9fe1a85ec53ull;
+  return uint32_t(x ^ (x >> 33));
+}
+
+// Fresh values for a rank's input: full-range int32, or finite float16 of moderate size.
+void fill(Bytes& b, DType dtype, uint64_t seed) {
+  const size_t n = b.size() / size_t(rr::elem_size(dtype));
+  for (size_t i = 0; i < n; ++i) {
+    const uint32_t v = mix(seed * 1000003u + i);
+    if (dtype == DType::I32) {
+      std::memcpy(&b[i * 4], &v, 4);
+    } else {
+      const uint16_t h = uint16_t((v & 0x83ffu) | (0x3400u + ((v >> 16) % 5u) * 0x400u));
+      std::memcpy(&b[i * 2], &h, 2);
+    }
+  }
+}
+
+// The plan of one call over `ranks`' memory (inputs of `count` elements, or N blocks of it).
+rr::Plan make_plan(Coll c, std::vector<Rank>& ranks, int64_t count, int root, int64_t esize) {
+  const int n = int(ranks.size());
+  std::vector<void*> in, out, work;
+  for (Rank& r : ranks) {
+    in.push_back(r.in.data());
+    out.push_back(r.out.data());
+    work.push_back(r.work.data());
+  }
+  std::vector<const void*> cin(in.begin(), in.end());
+  switch (c) {
+    case Coll::AllReduce: return rr::all_reduce_plan(cin.data(), in.data(), n, count, esize);
+    case Coll::AllReduceOut: return rr::all_reduce_plan(cin.data(), out.data(), n, count, esize);
+    case Coll::Reduce:
+      return rr::reduce_plan(cin.data(), out[size_t(root)], work.data(), root, n, count, esize);
+    case Coll::Broadcast: return rr::broadcast_plan(in.data(), root, n, count, esize);
+    case Coll::AllGather: return rr::all_gather_plan(cin.data(), out.data(), n, count, esize);
+    case Coll::ReduceScatter:
+      return rr::reduce_scatter_plan(cin.data(), out.data(), work.data(), n, count, esize);
+  }
+  return {};
+}
+
+// A staging allocator like a stream-ordered caching allocator: a lane's buffer is reused by
+// the next call on that lane without any synchronisation, and replaced when too small.
+struct Stager {
+  std::map<cudaStream_t, Bytes*> current;
+  std::vector<Bytes*> all;
+  ~Stager() {
+    for (Bytes* b : all) delete b;
+  }
+  rr::cuda::StageAlloc alloc() {
+    return [this](int, cudaStream_t s, size_t bytes) -> void* {
+      Bytes*& b = current[s];
+      if (b == nullptr || b->size() < bytes) {
+        all.push_back(new Bytes(bytes, 0xAB));
+        b = all.back();
+      }
+      return b->data();
+    };
+  }
+};
+
+struct Scenario {
+  Layout layout;
+  int n = 2;
+  Coll coll = Coll::AllReduce;
+  bool copy = false;
+  DType dtype = DType::I32;
+  int calls = 4;
+  FakePolicy policy = kFakeOldest;
+  int prefer_lane = -1;
+  unsigned seed = 0;
+  long drop_wait = -1;
+  bool capturing = false;
+};
+
+std::string describe(const Scenario& s) {
+  static const char* policies[] = {"oldest", "newest", "prefer", "random"};
+  std::string d = s.layout.name + " n=" + std::to_string(s.n) + " " + coll_name(s.coll) +
+                  (s.copy ? " copy" : " p2p") + " " + rr::dtype_name(s.dtype) + " " +
+                  policies[s.policy];
+  if (s.policy == kFakePrefer) d += " lane " + std::to_string(s.prefer_lane);
+  if (s.policy == kFakeRandom) d += " seed " + std::to_string(s.seed);
+  if (s.drop_wait >= 0) d += " drop wait " + std::to_string(s.drop_wait);
+  return d;
+}
+
+Op op_of(DType dtype, int call) {
+  static const Op ints[] = {Op::Sum, Op::Max, Op::BXor, Op::Avg, Op::Min, Op::Prod};
+  static const Op floats[] = {Op::Sum, Op::Max, Op::Avg, Op::Min};
+  return dtype == DType::I32 ? ints[call % 6] : floats[call % 4];
+}
+
+int64_t count_of(int call) {
+  static const int64_t counts[] = {kCapacity, 37, 1000, 1, 4096};
+  return counts[call % 5];
+}
+
+// The user's own work on a rank's lane: before even calls, fresh inputs (so the ring must wait
+// for them before reading); after every call, a change to the rank's input (so every
+// neighbour must have finished reading it): fresh values where the call left it as a pure
+// input, and a bit-exact change of the result where the call wrote it in place (the next call
+// then starts from that).
+void user_before(Rank& r, const Scenario& s, int call, int rank) {
+  if (call % 2 == 0) fill(r.in, s.dtype, uint64_t(call) * 131 + uint64_t(rank) + 7);
+}
+void user_after(Rank& r, const Scenario& s, int call, int rank) {
+  if (s.coll != Coll::AllReduce && s.coll != Coll::Broadcast) {
+    fill(r.in, s.dtype, uint64_t(call) * 977 + uint64_t(rank) + 3);
+    return;
+  }
+  const int64_t esize = rr::elem_size(s.dtype);
+  for (size_t i = 0; i + size_t(esize) <= r.in.size(); i += size_t(esize)) {
+    r.in[i + size_t(esize) - 1] ^= 0x80;  // the sign bit (little-endian)
+  }
+}
+
+struct Outcome {
+  bool ok = true;       // ran without an exception and drained
+  bool match = true;    // bytes equal to the CPU executor's
+  std::string error;
+  std::string log;      // the fake's log of the last call
+  std::string failed_log;  // the fake's log of the call that failed
+  long failable = 0;    // failable calls of the last call
+};
+
+// Runs a scenario on the fake and on the CPU executor. `fail_call`: inject an error into that
+// failable call of call number `fail_at` (which must then throw; the reference skips it).
+Outcome run(const Scenario& s, long fail_call = -1, int fail_at = -1) {
+  Outcome o;
+  const int64_t esize = rr::elem_size(s.dtype);
+  const size_t block = size_t(kCapacity * esize) * size_t(s.n);
+  std::vector<Rank> dev(size_t(s.n)), ref(size_t(s.n));
+  for (int r = 0; r < s.n; ++r) {
+    for (std::vector<Rank>* side : {&dev, &ref}) {
+      Rank& k = (*side)[size_t(r)];
+      k.in.assign(block, 0);
+      k.out.assign(block, 0);
+      k.work.assign(block, 0);
+      fill(k.in, s.dtype, uint64_t(r) + 1);
+      fill(k.out, s.dtype, uint64_t(r) + 100);
+      fill(k.work, s.dtype, uint64_t(r) + 200);
+    }
+  }
+  std::vector<rr::cuda::Lane> lanes;
+  for (int d : s.layout.lane_device) lanes.push_back(rr::cuda::Lane{d, fake_stream(d)});
+  fake_set_policy(s.policy, s.prefer_lane >= 0 ? lanes[size_t(s.prefer_lane)].stream : nullptr,
+                  s.seed);
+  Stager stager;
+  rr::cuda::RunOptions options;
+  options.direct = s.layout.direct.empty() ? nullptr : s.layout.direct.data();
+  options.force_copy = s.copy;
+  options.alloc = stager.alloc();
+  for (int call = 0; call < s.calls; ++call) {
+    const int64_t count = count_of(call);
+    const Op op = op_of(s.dtype, call);
+    const int root = call % s.n;
+    for (int r = 0; r < s.n; ++r) {
+      Rank* d = &dev[size_t(r)];
+      fake_enqueue(lanes[size_t(s.layout.rank_lane[size_t(r)])].stream,
+                   [d, &s, call, r] { user_before(*d, s, call, r); });
+      user_before(ref[size_t(r)], s, call, r);
+    }
+    fake_mark();
+    const bool failing = call == fail_at;
+    if (failing) fake_fail_call(fail_call);
+    if (s.drop_wait >= 0) fake_drop_wait(s.drop_wait);
+    for (const auto& l : lanes) fake_set_capturing(l.stream, s.capturing);
+    try {
+      rr::cuda::run(make_plan(s.coll, dev, count, root, esize), s.layout.rank_lane.data(), s.n,
+                    lanes.data(), int(lanes.size()), s.dtype, op, options);
+      if (failing) {
+        o.ok = false;
+        o.error = "no exception from an injected error";
+      }
+    } catch (const std::exception& e) {
+      if (!failing) {
+        o.ok = false;
+        o.error = e.what();
+      } else if (std::string(e.what()).find("ringreduce") == std::string::npos) {
+        o.ok = false;
+        o.error = std::string("an error that does not name ringreduce: ") + e.what();
+      }
+    }
+    fake_fail_call(-1);
+    fake_drop_wait(-1);
+    for (const auto& l : lanes) fake_set_capturing(l.stream, false);
+    o.log = fake_log();
+    if (failing) o.failed_log = o.log;
+    o.failable = fake_failable_calls();
+    if (!o.ok) break;
+    if (!failing) rr::cpu::run(make_plan(s.coll, ref, count, root, esize), s.dtype, op, s.n);
+    for (int r = 0; r < s.n; ++r) {
+      Rank* d = &dev[size_t(r)];
+      fake_enqueue(lanes[size_t(s.layout.rank_lane[size_t(r)])].stream,
+                   [d, &s, call, r] { user_after(*d, s, call, r); });
+      user_after(ref[size_t(r)], s, call, r);
+    }
+    if (failing) {
+      // The failed call left partial results: start again from fresh data everywhere.
+      for (int r = 0; r < s.n; ++r) {
+        Rank* d = &dev[size_t(r)];
+        fake_enqueue(lanes[size_t(s.layout.rank_lane[size_t(r)])].stream, [d, &s, r] {
+          fill(d->in, s.dtype, uint64_t(r) + 50);
+          fill(d->out, s.dtype, uint64_t(r) + 60);
+        });
+        fill(ref[size_t(r)].in, s.dtype, uint64_t(r) + 50);
+        fill(ref[size_t(r)].out, s.dtype, uint64_t(r) + 60);
+      }
+    }
+  }
+  if (!fake_drain()) {
+    o.ok = false;
+    o.error = "the queued work deadlocks";
+  }
+  fake_release_streams();
+  if (!o.ok) return o;
+  for (int r = 0; r < s.n; ++r) {
+    o.match = o.match && dev[size_t(r)].in == ref[size_t(r)].in &&
+              dev[size_t(r)].out == ref[size_t(r)].out;
+  }
+  return o;
+}
+
+std::vector<Scenario> schedules(const Scenario& base) {
+  std::vector<Scenario> out;
+  for (FakePolicy p : {kFakeOldest, kFakeNewest}) {
+    Scenario s = base;
+    s.policy = p;
+    out.push_back(s);
+  }
+  for (int l = 0; l < int(base.layout.lane_device.size()); ++l) {
+    Scenario s = base;
+    s.policy = kFakePrefer;
+    s.prefer_lane = l;
+    out.push_back(s);
+  }
+  for (unsigned seed = 1; seed <= 2; ++seed) {
+    Scenario s = base;
+    s.policy = kFakeRandom;
+    s.seed = seed;
+    out.push_back(s);
+  }
+  return out;
+}
+
+int matrix() {
+  long cases = 0, bad = 0;
+  for (int n : {2, 3, 4, 5}) {
+    for (const Layout& layout : layouts(n)) {
+      for (Coll c : kColls) {
+        for (bool copy : {false, true}) {
+          for (DType dtype : {DType::I32, DType::F16}) {
+            if (dtype == DType::F16 && (c == Coll::Broadcast || c == Coll::AllGather)) continue;
+            Scenario base;
+            base.layout = layout;
+            base.n = n;
+            base.coll = c;
+            base.copy = copy;
+            base.dtype = dtype;
+            base.calls = 5;
+            for (const Scenario& s : schedules(base)) {
+              const Outcome o = run(s);
+              ++cases;
+              if (!o.ok || !o.match) {
+                ++bad;
+                std::printf("FAIL %s: %s\n", describe(s).c_str(),
+                            o.ok ? "bytes differ from the CPU executor" : o.error.c_str());
+              }
+            }
+          }
+        }
+      }
+    }
+  }
+  const long stale = fake_stale_waits();
+  std::printf("matrix: %ld cases, %ld wrong, %ld stale waits\n", cases, bad, stale);
+  return bad == 0 && stale == 0 && cases > 0 ? 0 : 1;
+}
+
+// Whether a failed call queued nothing, or ended by joining its lanes: a record on every lane,
+// then each lane's waits on the others.
+bool joined(const std::string& log, int nlanes) {
+  if (log.empty()) return true;
+  const std::string join =
+      std::string(size_t(nlanes), 'R') + std::string(size_t(nlanes * (nlanes - 1)), 'W');
+  return log.size() >= join.size() &&
+         log.compare(log.size() - join.size(), std::string::npos, join) == 0;
+}
+
+int failures() {
+  long cases = 0, bad = 0;
+  for (int n : {2, 3, 4}) {
+    for (const Layout& layout : layouts(n)) {
+      for (Coll c : {Coll::AllReduce, Coll::ReduceScatter, Coll::Reduce}) {
+        for (bool copy : {false, true}) {
+          Scenario s;
+          s.layout = layout;
+          s.n = n;
+          s.coll = c;
+          s.copy = copy;
+          s.calls = 3;
+          // How many failable calls the middle call makes.
+          const Outcome clean = run(s);
+          if (!clean.ok || !clean.match) {
+            std::printf("FAIL %s: the run without errors is wrong\n", describe(s).c_str());
+            ++bad;
+            continue;
+          }
+          Scenario probe = s;
+          probe.calls = 2;
+          const long total = run(probe).failable;
+          const int nlanes = int(layout.lane_device.size());
+          for (long k = 0; k < total; ++k) {
+            for (FakePolicy p : {kFakeOldest, kFakeNewest}) {
+              Scenario f = s;
+              f.policy = p;
+              const long stale_before = fake_stale_waits();
+              const Outcome o = run(f, k, 1);
+              ++cases;
+              std::string why;
+              if (!o.ok) why = o.error;
+              else if (!o.match) why = "the calls after the failed one are wrong";
+              else if (fake_stale_waits() != stale_before) why = "a wait on a stale record";
+              else if (nlanes > 1 && !joined(o.failed_log, nlanes))
+                why = "the lanes were not joined after the error (log " + o.failed_log + ")";
+              if (!why.empty()) {
+                ++bad;
+                std::printf("FAIL %s, error in failable call %ld of %ld: %s\n",
+                            describe(f).c_str(), k, total, why.c_str());
+              }
+            }
+          }
+        }
+      }
+    }
+  }
+  std::printf("failures: %ld cases, %ld wrong\n", cases, bad);
+  return bad == 0 && cases > 0 ? 0 : 1;
+}
+
+int capture() {
+  long refused = 0, captured = 0, bad = 0;
+  for (int n : {2, 3, 4}) {
+    for (const Layout& layout : layouts(n)) {
+      for (bool copy : {false, true}) {
+        Scenario s;
+        s.layout = layout;
+        s.n = n;
+        s.copy = copy;
+        s.calls = 1;
+        s.capturing = true;
+        const bool ok_to_capture = layout.lane_device.size() == 1 && !copy;
+        // Run by hand to see the exception and what was queued.
+        std::vector<Rank> dev(static_cast<size_t>(n));
+        for (int r = 0; r < n; ++r) {
+          dev[size_t(r)].in.assign(size_t(kCapacity) * 4, 0);
+          fill(dev[size_t(r)].in, DType::I32, uint64_t(r));
+        }
+        std::vector<rr::cuda::Lane> lanes;
+        for (int d : layout.lane_device) lanes.push_back(rr::cuda::Lane{d, fake_stream(d)});
+        for (const auto& l : lanes) fake_set_capturing(l.stream, true);
+        Stager stager;
+        rr::cuda::RunOptions options;
+        options.direct = layout.direct.empty() ? nullptr : layout.direct.data();
+        options.force_copy = copy;
+        options.alloc = stager.alloc();
+        fake_mark();
+        std::string error;
+        try {
+          rr::cuda::run(make_plan(Coll::AllReduce, dev, kCapacity, 0, 4),
+                        layout.rank_lane.data(), n, lanes.data(), int(lanes.size()), DType::I32,
+                        Op::Sum, options);
+        } catch (const std::exception& e) {
+          error = e.what();
+        }
+        const std::string log = fake_log();
+        fake_drain();
+        fake_release_streams();
+        const bool said = error.find("cannot be captured") != std::string::npos;
+        if (ok_to_capture) {
+          if (!error.empty() || log.find_first_not_of('L') != std::string::npos) {
+            ++bad;
+            std::printf("FAIL capture of %s n=%d: error '%s', log %s\n", layout.name.c_str(), n,
+                        error.c_str(), log.c_str());
+          }
+          ++captured;
+        } else {
+          if (!said || !log.empty()) {
+            ++bad;
+            std::printf("FAIL %s n=%d %s under capture: error '%s', queued '%s'\n",
+                        layout.name.c_str(), n, copy ? "copy" : "p2p", error.c_str(),
+                        log.c_str());
+          }
+          ++refused;
+        }
+        // Eager calls afterwards are unaffected.
+        s.capturing = false;
+        s.calls = 2;
+        const Outcome o = run(s);
+        if (!o.ok || !o.match) {
+          ++bad;
+          std::printf("FAIL %s: eager calls after a refused capture\n", describe(s).c_str());
+        }
+      }
+    }
+  }
+  std::printf("capture: %ld captured, %ld refused, %ld wrong\n", captured, refused, bad);
+  return bad == 0 && refused > 0 && captured > 0 ? 0 : 1;
+}
+
+int dropwait() {
+  long bad = 0;
+  for (int n : {3, 4}) {
+    for (const Layout& layout : layouts(n)) {
+      if (layout.lane_device.size() < 2) continue;
+      for (Coll c : {Coll::AllReduce, Coll::AllGather}) {
+        Scenario s;
+        s.layout = layout;
+        s.n = n;
+        s.coll = c;
+        s.calls = 1;
+        const Outcome clean = run(s);
+        const std::string& log = clean.log;
+        const size_t first_l = log.find('L'), last_l = log.rfind('L');
+        long step_waits = 0, step_caught = 0, other_waits = 0, other_caught = 0, index = 0;
+        for (size_t pos = 0; pos < log.size(); ++pos) {
+          if (log[pos] != 'W') continue;
+          const bool step = pos > first_l && pos < last_l;
+          bool caught = false;
+          Scenario d = s;
+          d.drop_wait = index++;
+          for (const Scenario& v : schedules(d)) {
+            const Outcome o = run(v);
+            caught = caught || !o.ok || !o.match;
+          }
+          (step ? step_waits : other_waits) += 1;
+          (step ? step_caught : other_caught) += caught ? 1 : 0;
+          if (step && !caught) {
+            ++bad;
+            std::printf("FAIL %s: dropping per-step wait %ld changes nothing\n",
+                        describe(s).c_str(), index - 1);
+          }
+        }
+        std::printf("dropwait %s n=%d %s: per-step waits %ld caught %ld; barrier waits %ld "
+                    "caught %ld\n", layout.name.c_str(), n, coll_name(c), step_waits,
+                    step_caught, other_waits, other_caught);
+        // Most barrier waits are implied by others; those between ring neighbours are not.
+        if (other_caught == 0) {
+          ++bad;
+          std::printf("FAIL %s: no barrier wait is needed?\n", describe(s).c_str());
+        }
+        if (step_waits == 0) {
+          ++bad;
+          std::printf("FAIL %s: no per-step waits found in log %s\n", describe(s).c_str(),
+                      log.c_str());
+        }
+      }
+    }
+  }
+  std::printf("dropwait: %ld wrong\n", bad);
+  return bad == 0 ? 0 : 1;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  fake_init(kDevices);
+  const std::string mode = argc > 1 ? argv[1] : "";
+  if (mode == "matrix") return matrix();
+  if (mode == "failures") return failures();
+  if (mode == "capture") return capture();
+  if (mode == "dropwait") return dropwait();
+  std::fprintf(stderr, "usage: lanes_driver matrix|failures|capture|dropwait\n");
+  return 2;
+}

@@ -1,0 +1,74 @@
+"""The single-process CUDA executor (csrc/ring/cuda_executor.cu) on a fake CUDA runtime, so that
+its ordering runs without a GPU.
+
+The executor is compiled by the host compiler against tests/fake_cuda/include (fake_lanes.h
+says how the fake works: nothing runs until a drain, which then picks among every order CUDA
+allows, including one that runs a chosen lane as far ahead as its waits let it) and driven by
+tests/fake_cuda/lanes_driver.cpp: ranks on distinct devices, on distinct streams of one device
+("virtual devices"), mixed, and without peer access; every collective of the list API; both
+transports; several calls back to back with the user's own work queued between them, checked
+byte for byte against the CPU executor. It cannot check the kernels or anything about real
+GPUs: tests/test_cuda.py and tests/test_cuda_review.py do, on a GPU.
+"""
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+from fake_cuda.build import CSRC, CXX, FAKE, build
+
+pytestmark = pytest.mark.skipif(CXX is None or not sys.platform.startswith("linux"),
+                                reason="needs a C++ compiler on Linux")
+
+
+@pytest.fixture(scope="module")
+def driver(tmp_path_factory):
+    return build(tmp_path_factory.mktemp("fake_lanes"), "lanes_driver", [
+        os.path.join(CSRC, "ring", "cuda_executor.cu"),
+        os.path.join(CSRC, "ring", "cpu_executor.cpp"),
+        os.path.join(FAKE, "fake_lanes.cpp"),
+        os.path.join(FAKE, "lanes_driver.cpp")])
+
+
+def run(driver, mode):
+    proc = subprocess.run([driver, mode], capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
+    return proc.stdout
+
+
+def test_every_layout_and_collective_matches_the_cpu_executor(driver):
+    """Back-to-back calls under adversarial schedules: the bytes of the CPU executor, and no
+    wait on a record left by an earlier call."""
+    out = run(driver, "matrix")
+    cases, wrong, stale = map(int, re.search(
+        r"matrix: (\d+) cases, (\d+) wrong, (\d+) stale waits", out).groups())
+    assert cases > 2000 and wrong == 0 and stale == 0, out
+
+
+def test_an_error_partway_through_queuing_leaves_nothing_behind(driver):
+    """An error injected into each CUDA call of a call in turn: the call raises, the lanes are
+    joined, and the next call is right without waiting on a stale record."""
+    out = run(driver, "failures")
+    cases, wrong = map(int, re.search(r"failures: (\d+) cases, (\d+) wrong", out).groups())
+    assert cases > 1000 and wrong == 0, out
+
+
+def test_capture_refuses_several_lanes_and_staging_before_queuing(driver):
+    out = run(driver, "capture")
+    captured, refused, wrong = map(int, re.search(
+        r"capture: (\d+) captured, (\d+) refused, (\d+) wrong", out).groups())
+    assert captured > 0 and refused > 0 and wrong == 0, out
+
+
+def test_every_per_step_wait_is_needed(driver):
+    """Dropping any one per-step wait gives wrong bytes under some schedule: the harness can
+    see a missing wait, so the matrix above would."""
+    out = run(driver, "dropwait")
+    lines = re.findall(r"dropwait (\S+) n=(\d) (\S+): per-step waits (\d+) caught (\d+); "
+                       r"barrier waits (\d+) caught (\d+)", out)
+    assert len(lines) >= 8, out
+    for layout, n, coll, steps, caught, barrier, barrier_caught in lines:
+        assert int(steps) > 0 and caught == steps, (layout, n, coll, out)
+        assert int(barrier_caught) > 0, (layout, n, coll, out)

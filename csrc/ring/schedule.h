@@ -22,6 +22,8 @@
 
 #include <cstdint>
 
+#include "types.h"
+
 namespace rr {
 
 struct Range {
@@ -40,8 +42,9 @@ inline int mod(int64_t a, int n) { return int(((a % n) + n) % n); }
 
 inline int64_t num_steps(int nranks) { return nranks > 1 ? 2 * int64_t(nranks - 1) : 0; }
 
-// Elements per chunk (all but the tail), a multiple of 16 bytes' worth of elements.
-inline int64_t chunk_elems(int64_t count, int nranks, int64_t elem_size) {
+// Elements per chunk (all but the tail), a multiple of 16 bytes' worth of elements. Host and
+// device: the one-shot kernel (oneshot.h) finds each element's chunk from it.
+RR_HD int64_t chunk_elems(int64_t count, int nranks, int64_t elem_size) {
   const int64_t align = elem_size >= 16 ? 1 : 16 / elem_size;
   int64_t per = (count + nranks - 1) / nranks;
   return (per + align - 1) / align * align;

@@ -1,0 +1,145 @@
+// One-shot all-reduce: every output element computed in one pass from all N inputs, with the
+// ring's bits. Torch-free; the element arithmetic is host and device code, so the CPU path
+// (oneshot_cpu.cpp) and the CUDA kernel (oneshot_kernel.cu) run the same functions.
+//
+// Why the order is fixed: floating-point sum, avg and prod are not associative, 16-bit floats
+// round to storage on every hop, and max/min choose between two NaNs, or between -0.0 and
+// +0.0, by operand position (tests/test_oneshot.py fails with the order reversed). The
+// ring (schedule.h) reduces chunk c in the order c, c+1, ..., c+N-1 (mod N); the one-shot
+// reduces every element of chunk c in that same order, with the same Reducer calls on the
+// storage type, so a caller may switch between the two paths at any size (a threshold per N)
+// and get the same bits (up to the payload of a NaN made where two NaNs meet in an add or a
+// multiply, docs/DESIGN.md), and every rank gets the same bits either way.
+#pragma once
+
+#include <cstdint>
+#include <stdexcept>
+#include <string>
+
+#include "schedule.h"
+#include "types.h"
+
+#if defined(__CUDA_ARCH__)
+// Unrolling the loop over ranks lets the loads of several ranks be in flight before the first
+// combine needs its operand. 8 is set on paper, not measured.
+#define RR_ONESHOT_UNROLL _Pragma("unroll 8")
+#else
+#define RR_ONESHOT_UNROLL
+#endif
+
+namespace rr {
+
+// The ring chunk (chunk_range(count, nranks, esize, c)) that holds element i, 0 <= i < count.
+// Chunks are chunk_elems() apart and chunk_elems() * nranks >= count, so this is always a
+// non-empty chunk below nranks: the empty chunks at the tail (count < N, or an uneven split)
+// hold no element.
+RR_HD int chunk_of(int64_t i, int64_t count, int nranks, int64_t esize) {
+  return int(i / chunk_elems(count, nranks, esize));
+}
+
+// 16 bytes of elements, loaded and stored as one vector. Chunk boundaries are multiples of 16
+// bytes, so the lanes of one pack always belong to the same chunk.
+template <typename T>
+struct alignas(16) Pack {
+  static constexpr int kLanes = 16 / int(sizeof(T));
+  T lane[kLanes];
+};
+
+// Hop j (1 <= j < N) of a chunk's reduction: the rank that holds x combines the partial `acc`
+// arriving from its predecessor, exactly as the ring's reduce-scatter step does
+// (Reducer::step(mine = x, incoming = acc)); the last hop divides an average.
+template <typename T, Op op>
+RR_HD T ring_hop(T x, T acc, bool last, int nranks) {
+  using R = Reducer<T, op>;
+  return last ? R::last_step(x, acc, typename R::D(nranks)) : R::step(x, acc);
+}
+
+template <typename T, Op op>
+RR_HD Pack<T> ring_hop(const Pack<T>& x, Pack<T> acc, bool last, int nranks) {
+  for (int l = 0; l < Pack<T>::kLanes; ++l) {
+    acc.lane[l] = ring_hop<T, op>(x.lane[l], acc.lane[l], last, nranks);
+  }
+  return acc;
+}
+
+// Element (or pack, P = Pack<T>) i of chunk `chunk` reduced over in[0..nranks) in the ring's
+// order: acc = in[c][i]; acc = hop(in[c+1][i], acc); ...; acc = last hop(in[c-1][i], acc).
+// With one rank the value is a copy, as in the ring (no rounding, no division).
+template <typename T, Op op, typename P = T>
+RR_HD P reduce_in_ring_order(const void* const* in, int64_t i, int nranks, int chunk) {
+  P acc = static_cast<const P*>(in[chunk])[i];
+  int r = chunk;
+  RR_ONESHOT_UNROLL
+  for (int j = 1; j < nranks; ++j) {
+    r = r + 1 == nranks ? 0 : r + 1;
+    const P x = static_cast<const P*>(in[r])[i];  // a copy: one 16-byte load for a pack
+    acc = ring_hop<T, op>(x, acc, j == nranks - 1, nranks);
+  }
+  return acc;
+}
+
+// The CUDA kernel's arguments, passed by value as one __grid_constant__ parameter.
+constexpr int kOneshotMaxRanks = 64;
+
+struct OneshotArgs {
+  const void* in[kOneshotMaxRanks];
+  void* out[kOneshotMaxRanks];
+  int nranks;
+  int64_t count;
+  bool vec;  // every in[] and out[] is 16-byte aligned: the body moves Pack<T>s
+};
+
+inline OneshotArgs make_oneshot_args(const void* const* in, void* const* out, int nranks,
+                                     int64_t count) {
+  if (nranks < 1 || nranks > kOneshotMaxRanks) {
+    throw std::invalid_argument("ringreduce: the one-shot all-reduce takes 1 to " +
+                                std::to_string(kOneshotMaxRanks) + " ranks, got nranks=" +
+                                std::to_string(nranks));
+  }
+  OneshotArgs a{};
+  uintptr_t bits = 0;
+  for (int r = 0; r < nranks; ++r) {
+    a.in[r] = in[r];
+    a.out[r] = out[r];
+    bits |= reinterpret_cast<uintptr_t>(in[r]) | reinterpret_cast<uintptr_t>(out[r]);
+  }
+  a.nranks = nranks;
+  a.count = count;
+  a.vec = (bits & 15) == 0;
+  return a;
+}
+
+// What one CUDA thread does: packs (then the elements after the last whole pack) first,
+// first + stride, ... For each index it reads all N inputs before writing any of the N
+// outputs, and nothing else touches that index, so out[r] == in[r] (in place) is safe.
+template <typename T, Op op>
+RR_HD void oneshot_thread(const OneshotArgs& a, int64_t first, int64_t stride) {
+  constexpr int64_t kLanes = Pack<T>::kLanes;
+  const int64_t esize = int64_t(sizeof(T));
+  int64_t head = 0;
+  if (a.vec) {
+    const int64_t npacks = a.count / kLanes;
+    for (int64_t v = first; v < npacks; v += stride) {
+      const int c = chunk_of(v * kLanes, a.count, a.nranks, esize);
+      const Pack<T> x = reduce_in_ring_order<T, op, Pack<T>>(a.in, v, a.nranks, c);
+      for (int r = 0; r < a.nranks; ++r) static_cast<Pack<T>*>(a.out[r])[v] = x;
+    }
+    head = npacks * kLanes;
+  }
+  for (int64_t i = head + first; i < a.count; i += stride) {
+    const int c = chunk_of(i, a.count, a.nranks, esize);
+    const T x = reduce_in_ring_order<T, op>(a.in, i, a.nranks, c);
+    for (int r = 0; r < a.nranks; ++r) static_cast<T*>(a.out[r])[i] = x;
+  }
+}
+
+namespace cpu {
+
+// out[r] = the all-reduce of in[0..nranks), count elements each, bit for bit what all_reduce
+// (the ring, cpu_executor.h) gives. out[r] == in[r] is in place; otherwise out[r] overlaps no
+// in[] or out[] buffer. Any number of ranks.
+void all_reduce_oneshot(const void* const* in, void* const* out, int nranks, int64_t count,
+                        DType dtype, Op op);
+
+}  // namespace cpu
+}  // namespace rr

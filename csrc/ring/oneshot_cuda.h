@@ -1,0 +1,26 @@
+// The one-shot all-reduce (oneshot.h) as one CUDA kernel. Torch-free.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "types.h"
+
+namespace rr {
+namespace cuda {
+
+// out[r] = the all-reduce of in[0..nranks) (count elements each, 1 <= nranks <=
+// kOneshotMaxRanks), bit for bit what the ring gives, in one kernel queued on `stream`, which
+// must belong to the current device. out[r] == in[r] is in place; otherwise out[r] overlaps no
+// other buffer. Every pointer must be readable (in) and writable (out) from the current device:
+// simulated ranks on that device, or buffers on other devices with peer access enabled. The
+// kernel orders nothing across devices: the caller makes `stream` wait for the writes of every
+// input and for earlier reads of every output, and makes later users of out[r] on other devices
+// wait for this kernel. Throws std::invalid_argument for bad arguments and std::runtime_error
+// naming the dtype, op and device when the launch fails.
+void launch_oneshot(const void* const* in, void* const* out, int nranks, int64_t count,
+                    DType dtype, Op op, cudaStream_t stream);
+
+}  // namespace cuda
+}  // namespace rr

@@ -18,6 +18,7 @@
 #include <c10/cuda/CUDAStream.h>
 
 #include "ring/cuda_executor.h"
+#include "ring/oneshot_cuda.h"
 #endif
 
 
@@ -204,11 +205,20 @@ void check_transport(const std::string& fn, const std::string& transport) {
 // Returns the neighbour pairs that had to be staged (no peer access); empty on CPU.
 // transport: "p2p" (kernels read the neighbour's memory where peer access allows) or "copy"
 // (every hop through cudaMemcpyPeerAsync, to test and measure that path on one GPU).
+// An all-reduce the one-shot kernel may run instead of the plan (oneshot_cuda.h): when every
+// rank runs on one stream of one device, with the p2p transport, and a rank's tensor holds at
+// most `max_bytes`.
+struct OneShot {
+  std::vector<void*> in, out;
+  int64_t count, bytes, max_bytes;
+};
+
 std::vector<std::string> execute(const rr::Plan& plan, rr::DType dtype, rr::Op op,
                                  const std::vector<at::Tensor>& ranks,
                                  const std::vector<at::Tensor>& touched,
                                  const std::vector<at::Tensor>& written, const Streams& streams,
-                                 const std::string& transport) {
+                                 const std::string& transport,
+                                 const OneShot* oneshot = nullptr) {
   const int nranks = int(ranks.size());
   if (plan.empty()) return {};
   if (!ranks[0].is_cuda()) {
@@ -276,6 +286,15 @@ std::vector<std::string> execute(const rr::Plan& plan, rr::DType dtype, rr::Op o
       }
     }
   }
+  if (oneshot != nullptr && lanes.size() == 1 && transport == "p2p" &&
+      oneshot->bytes <= oneshot->max_bytes) {
+    // One kernel instead of 2(N-1) ring steps, with the ring's bits.
+    std::vector<const void*> in(oneshot->in.begin(), oneshot->in.end());
+    rr::cuda::launch_oneshot(in.data(), oneshot->out.data(), nranks, oneshot->count, dtype, op,
+                             lanes[0].stream);
+    bump_versions(written);
+    return staged;
+  }
   // Staging buffers come from torch's caching allocator on the lane's own stream, the only
   // stream that touches them: released on return, they are reused only in that stream's order
   // (no host synchronisation, no growing raw allocation).
@@ -314,10 +333,12 @@ std::vector<at::Tensor> concat(std::vector<at::Tensor> a, const std::vector<at::
 
 // No outputs: in place. Otherwise outputs[r] may be tensors[r] itself (in place for that
 // rank) and must not overlap anything else.
+// oneshot_max_bytes: the largest tensor (bytes per rank) the one-shot kernel all-reduces when
+// every rank runs on one CUDA stream (RINGREDUCE_ONESHOT_BYTES; 0 turns it off).
 std::vector<std::string> all_reduce(const std::vector<at::Tensor>& tensors,
                                     const std::optional<std::vector<at::Tensor>>& outputs_arg,
                                     const std::string& op_name, const Streams& streams,
-                                    const std::string& transport) {
+                                    const std::string& transport, int64_t oneshot_max_bytes) {
   const std::string fn = "ringreduce.all_reduce";
   const bool in_place = !outputs_arg;
   const std::vector<at::Tensor> outputs = in_place ? std::vector<at::Tensor>() : *outputs_arg;
@@ -343,7 +364,10 @@ std::vector<std::string> all_reduce(const std::vector<at::Tensor>& tensors,
   const std::vector<void*> in_ptrs = pointers(tensors), out_ptrs = pointers(out);
   const rr::Plan plan = rr::all_reduce_plan(in_ptrs.data(), out_ptrs.data(), int(tensors.size()),
                                             tensors[0].numel(), tensors[0].element_size());
-  return execute(plan, dtype, op, tensors, concat(tensors, outputs), out, streams, transport);
+  const OneShot oneshot{in_ptrs, out_ptrs, tensors[0].numel(),
+                        tensors[0].numel() * tensors[0].element_size(), oneshot_max_bytes};
+  return execute(plan, dtype, op, tensors, concat(tensors, outputs), out, streams, transport,
+                 &oneshot);
 }
 
 std::vector<std::string> reduce(const std::vector<at::Tensor>& inputs,
@@ -515,7 +539,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   // Each validates every argument before anything is modified and returns the neighbour pairs
   // staged without P2P.
   m.def("all_reduce", &all_reduce, pybind11::arg("tensors"), pybind11::arg("outputs"),
-        pybind11::arg("op"), pybind11::arg("streams"), pybind11::arg("transport"));
+        pybind11::arg("op"), pybind11::arg("streams"), pybind11::arg("transport"),
+        pybind11::arg("oneshot_max_bytes"));
   m.def("reduce", &reduce, pybind11::arg("inputs"), pybind11::arg("output"),
         pybind11::arg("root"), pybind11::arg("op"), pybind11::arg("streams"),
         pybind11::arg("transport"));

@@ -97,6 +97,26 @@ def _transport():
     return os.environ.get("RINGREDUCE_TRANSPORT", "p2p")
 
 
+# Predicted, not yet measured: on one stream of one GPU the one-shot kernel moves fewer bytes
+# than the ring (2*N*S against 5*S*(N-1)) in one launch instead of 2(N-1), so it should win at
+# every size; it is kept to small messages until bench/ring.py on a GPU says where it wins.
+ONESHOT_DEFAULT_BYTES = 64 * 1024
+
+
+def _oneshot_bytes():
+    text = os.environ.get("RINGREDUCE_ONESHOT_BYTES")
+    if text is None or text == "":
+        return ONESHOT_DEFAULT_BYTES
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise ValueError("ringreduce: RINGREDUCE_ONESHOT_BYTES must be a whole number of bytes "
+                         f">= 0 (0 turns the one-shot path off); got {text!r}")
+    return value
+
+
 def _warn_staged(staged):
     for pair in staged:
         if pair not in _warned_staged:
@@ -125,6 +145,10 @@ def all_reduce(tensors, op="sum", *, outputs=None, streams=None, comms=None):
     ``RINGREDUCE_TRANSPORT=copy`` in the environment moves every CUDA hop with
     ``cudaMemcpyPeerAsync`` instead of kernels reading the neighbour's memory (the path used
     anyway between GPUs without peer access); the default is ``p2p``.
+
+    When every rank runs on one stream of one GPU (simulated ranks) and a tensor holds at most
+    ``RINGREDUCE_ONESHOT_BYTES`` (default 65536; 0 turns it off), one kernel reduces every
+    element over all ranks in the ring's order instead of 2(N-1) ring steps: the same bits.
     """
     if isinstance(op, (list, tuple)):
         raise TypeError(
@@ -134,7 +158,7 @@ def all_reduce(tensors, op="sum", *, outputs=None, streams=None, comms=None):
     outputs_list = None if outputs is None else _tensor_list("all_reduce", "outputs", outputs)
     _no_comms("all_reduce", comms)
     _warn_staged(_C.all_reduce(tensors_list, outputs_list, parse_op(op),
-                               _streams("all_reduce", streams), _transport()))
+                               _streams("all_reduce", streams), _transport(), _oneshot_bytes()))
     return tensors if outputs is None else outputs
 
 

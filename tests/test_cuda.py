@@ -58,11 +58,47 @@ def _cases():
 
 @pytest.mark.parametrize("dtype,op", list(_cases()), ids=lambda v: str(v).replace("torch.", ""))
 @pytest.mark.parametrize("nranks", [1, 2, 3, 4, 5, 8])
-def test_simulated_ranks(dtype, op, nranks):
+@pytest.mark.parametrize("oneshot", ["default", "off"])
+def test_simulated_ranks(dtype, op, nranks, oneshot, monkeypatch):
+    """One stream of one GPU: small sizes take the one-shot kernel by default, the others (and
+    every size with RINGREDUCE_ONESHOT_BYTES=0) the ring; both give the ring model's bits."""
+    if oneshot == "off":
+        monkeypatch.setenv("RINGREDUCE_ONESHOT_BYTES", "0")
     g = torch.Generator().manual_seed(nranks * 1000 + len(op))
     for count in SIZES:
         _run_and_check(random_inputs(nranks, count, dtype, op, generator=g), op,
                        _devices(nranks, spread=False))
+
+
+@pytest.mark.parametrize("dtype,op", [(torch.float16, "sum"), (torch.bfloat16, "avg"),
+                                      (torch.float32, "prod"), (torch.float32, "max"),
+                                      (torch.int32, "sum"), (torch.uint8, "bxor")],
+                         ids=lambda v: str(v).replace("torch.", ""))
+@pytest.mark.parametrize("nranks", [2, 3, 4, 7, 8, 64])
+def test_oneshot_and_ring_agree_at_the_threshold(dtype, op, nranks, monkeypatch):
+    """The same inputs through the one-shot kernel and through the ring, at the default
+    threshold's size and around it, in place and out of place: identical bits (the GPU makes
+    one canonical NaN, so even NaN payloads agree)."""
+    esize = torch.empty(0, dtype=dtype).element_size()
+    limit = ringreduce.core.ONESHOT_DEFAULT_BYTES // esize
+    g = torch.Generator().manual_seed(nranks * 31 + esize)
+    for count in (limit - 1, limit, limit + 1):
+        inputs = random_inputs(nranks, count, dtype, op, generator=g)
+        results = {}
+        for name, limit_bytes in (("ring", "0"), ("oneshot", str(1 << 40))):
+            monkeypatch.setenv("RINGREDUCE_ONESHOT_BYTES", limit_bytes)
+            tensors = [x.cuda() for x in inputs]
+            outputs = [torch.full_like(t, 7) for t in tensors]
+            ringreduce.all_reduce(tensors, op, outputs=outputs)
+            ringreduce.all_reduce(tensors, op)
+            torch.cuda.synchronize()
+            for t, o in zip(tensors, outputs):
+                assert torch.equal(t.view(torch.uint8), o.view(torch.uint8))
+            results[name] = tensors[0].cpu()
+        assert torch.equal(results["ring"].view(torch.uint8),
+                           results["oneshot"].view(torch.uint8)), (count, nranks)
+        assert torch.equal(results["ring"].view(torch.uint8),
+                           ring_model(inputs, op).view(torch.uint8))
 
 
 @pytest.mark.parametrize("dtype,op", [(torch.float32, "sum"), (torch.bfloat16, "avg"),

@@ -359,3 +359,11 @@ def test_bad_streams():
     cpu_stream = torch.Stream(device="cpu")
     _raises_untouched(lambda: ringreduce.all_reduce(ins, streams=[None, cpu_stream, None]), ins,
                       ValueError, r"streams\[1\] is given but tensors\[1\] is on cpu")
+
+
+@pytest.mark.parametrize("value", ["-1", "64k", "1.5"])
+def test_bad_oneshot_threshold(value, monkeypatch):
+    ins = _ranks()
+    monkeypatch.setenv("RINGREDUCE_ONESHOT_BYTES", value)
+    _raises_untouched(lambda: ringreduce.all_reduce(ins), ins, ValueError,
+                      "RINGREDUCE_ONESHOT_BYTES must be a whole number of bytes >= 0")

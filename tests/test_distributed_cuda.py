@@ -18,15 +18,13 @@ import torch
 import torch.distributed as dist
 
 import ringreduce
+from checks import needs_cuda, sleep_cycles
 from reference import ALL_DTYPES, _combine, random_inputs, ring_model, valid_ops
 from test_distributed import _shm_names, init, run_ranks, values
 
-HAS_CUDA = torch.cuda.is_available()
-pytestmark = [
-    pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU (the ranks share cuda:0)"),
-    pytest.mark.skipif(HAS_CUDA and not ringreduce.build_info()["cuda"],
-                       reason="ringreduce was built CPU-only (torch without CUDA or no nvcc)"),
-]
+# Every rank shares cuda:0. Skips without a GPU or a CUDA build; fails instead under
+# RINGREDUCE_REQUIRE_CUDA=1.
+pytestmark = needs_cuda
 
 # A staging area of 8 KiB (two 4 KiB slots): most sizes below go in several rounds.
 SMALL_STAGING = {"RINGREDUCE_CUDA_BUFFER_BYTES": "8192"}
@@ -208,24 +206,13 @@ def test_killed_rank_fails_the_others(tmp_path, world):
     assert _shm_names() <= before, f"left in /dev/shm: {_shm_names() - before}"
 
 
-def _sleep_cycles(seconds):
-    """GPU clock cycles that torch.cuda._sleep spins for about `seconds` (measured)."""
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    cycles = 10_000_000
-    start.record()
-    torch.cuda._sleep(cycles)
-    end.record()
-    end.synchronize()
-    return int(cycles * seconds * 1000.0 / max(start.elapsed_time(end), 1e-3))
-
-
 def _async_wait(rank, world, store):
     init(rank, world, store)
     torch.cuda.set_device(DEV)
     t = torch.full((4099,), float(rank + 1), device=DEV)
     dist.all_reduce(t)  # the CUDA setup step, so that the timed call below only queues work
     torch.cuda.synchronize()
-    cycles = _sleep_cycles(2.0)
+    cycles = sleep_cycles(2.0)
     stream = torch.cuda.Stream()
     with torch.cuda.stream(stream):
         torch.cuda._sleep(cycles)

@@ -6,7 +6,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${OUT:-gpu-logs}
 mkdir -p "$out"
-# RINGREDUCE_REQUIRE_CUDA: tests/test_cuda.py fails instead of skipping if the build is CPU-only.
+# RINGREDUCE_REQUIRE_CUDA: the GPU tests fail instead of skipping without a GPU or a CUDA build.
 # Every phase is bounded (PHASE_TIMEOUT seconds, and 120 s per test where pytest-timeout is
 # installed, as on the GPU machine), so a hang costs one phase, not the device call. The build
 # is for sm_90 only unless RINGREDUCE_CUDA_ARCH_LIST says otherwise (one device call builds).

@@ -1,10 +1,18 @@
 """Runs one list-API collective on given devices and checks it against tests/reference.py.
 
-Shared by the CPU tests (test_collectives.py) and the GPU tests (test_cuda.py). Every output is
-poisoned before the call, every result compared bit for bit with the ring model (and reduced
-results with the exact or float64 reference), and every tensor the call must not write is
-checked unchanged.
+Shared by the CPU tests (test_collectives.py) and the GPU tests (test_cuda.py,
+test_cuda_review.py). Every output is poisoned before the call, every result compared bit for bit
+with the ring model (and reduced results with the exact or float64 reference), and every tensor
+the call must not write is checked unchanged. `streams` (one CUDA stream per rank, or None) is
+passed to the collective; each given stream first waits for the current stream, where the
+inputs were written.
+
+Also what every GPU test module shares: `needs_cuda` (skip, or fail under
+RINGREDUCE_REQUIRE_CUDA=1, where no GPU test can run) and `sleep_cycles`.
 """
+import os
+
+import pytest
 import torch
 
 import ringreduce
@@ -12,6 +20,43 @@ from reference import (all_gather_model, assert_close_to_wide, random_inputs,
                        reduce_scatter_model, ring_model)
 
 POISON_BYTE = 0xA5
+
+
+def cuda_missing():
+    """Why the GPU tests cannot run here, or None where they can."""
+    if not torch.cuda.is_available():
+        return "no CUDA device visible to torch"
+    if not ringreduce.build_info()["cuda"]:
+        return "ringreduce was built CPU-only (torch without CUDA or no nvcc)"
+    return None
+
+
+def require_cuda():
+    """Skips the calling test where no GPU test can run, with the reason; fails it instead
+    under RINGREDUCE_REQUIRE_CUDA=1 (scripts/gpu_check.sh sets it: a GPU run must not pass by
+    skipping every CUDA test)."""
+    reason = cuda_missing()
+    if reason is None:
+        return
+    if os.environ.get("RINGREDUCE_REQUIRE_CUDA") == "1":
+        pytest.fail(f"RINGREDUCE_REQUIRE_CUDA=1 but {reason}", pytrace=False)
+    pytest.skip(reason)
+
+
+# Marks a GPU test (or, as pytestmark, a module of them); the fixture is in conftest.py.
+needs_cuda = pytest.mark.usefixtures("cuda_required")
+
+
+def sleep_cycles(seconds):
+    """GPU clock cycles that torch.cuda._sleep spins for about `seconds` on the current device
+    (measured once: the clock differs between GPUs and with boost)."""
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    cycles = 10_000_000
+    start.record()
+    torch.cuda._sleep(cycles)
+    end.record()
+    end.synchronize()
+    return int(cycles * seconds * 1000.0 / max(start.elapsed_time(end), 1e-3))
 
 
 def poison_like(t, shape=None):
@@ -42,6 +87,14 @@ def _sync(tensors):
         torch.cuda.synchronize()
 
 
+def _fork(streams):
+    """The given streams wait for the current stream (where _place wrote the inputs)."""
+    for s in streams or ():
+        if s is not None:
+            s.wait_stream(torch.cuda.current_stream(s.device))
+    return streams
+
+
 class Unchanged:
     """Remembers tensors' bytes; check() asserts the call left them alone."""
 
@@ -53,12 +106,12 @@ class Unchanged:
             assert torch.equal(bits(t), before), f"{name} was modified"
 
 
-def check_all_reduce(inputs, op, devices):
+def check_all_reduce(inputs, op, devices, streams=None):
     """Out of place: inputs unchanged, every output the ring model's bits."""
     tensors = _place(inputs, devices)
     outputs = [poison_like(t) for t in tensors]
     kept = Unchanged((f"tensors[{i}]", t) for i, t in enumerate(tensors))
-    assert ringreduce.all_reduce(tensors, op, outputs=outputs) is outputs
+    assert ringreduce.all_reduce(tensors, op, outputs=outputs, streams=_fork(streams)) is outputs
     _sync(outputs)
     expected = ring_model(inputs, op)
     for r, out in enumerate(outputs):
@@ -69,13 +122,13 @@ def check_all_reduce(inputs, op, devices):
         assert_close_to_wide(outputs[0], inputs, op)
 
 
-def check_reduce(inputs, op, devices, root, in_place):
+def check_reduce(inputs, op, devices, root, in_place, streams=None):
     """The root's output holds all_reduce's bits; nothing else changes."""
     tensors = _place(inputs, devices)
     output = None if in_place else poison_like(tensors[root])
     kept = Unchanged((f"inputs[{i}]", t) for i, t in enumerate(tensors)
                      if not (in_place and i == root))
-    result = ringreduce.reduce(tensors, output, root=root, op=op)
+    result = ringreduce.reduce(tensors, output, root=root, op=op, streams=_fork(streams))
     assert result is (tensors[root] if in_place else output)
     _sync([result])
     expected = ring_model(inputs, op)
@@ -85,7 +138,7 @@ def check_reduce(inputs, op, devices, root, in_place):
         assert_close_to_wide(result, inputs, op)
 
 
-def check_reduce_scatter(inputs, op, devices, in_place=False):
+def check_reduce_scatter(inputs, op, devices, in_place=False, streams=None):
     """inputs: nranks blocks each; outputs[r] = block r reduced. Out of place the inputs stay
     unchanged; in place outputs[r] is block r of inputs[r] and only that block changes."""
     n = len(inputs)
@@ -100,7 +153,7 @@ def check_reduce_scatter(inputs, op, devices, in_place=False):
     else:
         outputs = [poison_like(t, (count,)) for t in tensors]
         kept = Unchanged((f"inputs[{i}]", t) for i, t in enumerate(tensors))
-    assert ringreduce.reduce_scatter(tensors, outputs, op=op) is outputs
+    assert ringreduce.reduce_scatter(tensors, outputs, op=op, streams=_fork(streams)) is outputs
     _sync(outputs)
     expected = reduce_scatter_model(inputs, op)
     for r, out in enumerate(outputs):
@@ -111,7 +164,7 @@ def check_reduce_scatter(inputs, op, devices, in_place=False):
     kept.check()
 
 
-def check_all_gather(inputs, devices, in_place=False):
+def check_all_gather(inputs, devices, in_place=False, streams=None):
     """outputs[r] = the inputs concatenated; inputs unchanged."""
     n = len(inputs)
     tensors = _place(inputs, devices)
@@ -123,7 +176,7 @@ def check_all_gather(inputs, devices, in_place=False):
         for t, x in zip(tensors, inputs):
             t.copy_(x)
     kept = Unchanged((f"inputs[{i}]", t) for i, t in enumerate(tensors))
-    assert ringreduce.all_gather(tensors, outputs) is outputs
+    assert ringreduce.all_gather(tensors, outputs, streams=_fork(streams)) is outputs
     _sync(outputs)
     expected = all_gather_model(inputs)
     for r, out in enumerate(outputs):
@@ -131,19 +184,19 @@ def check_all_gather(inputs, devices, in_place=False):
     kept.check()
 
 
-def check_broadcast(inputs, devices, root):
+def check_broadcast(inputs, devices, root, streams=None):
     """Every tensor ends with inputs[root]'s bits."""
     tensors = _place(inputs, devices)
     for r, t in enumerate(tensors):
         if r != root:
             t.view(torch.uint8).fill_(POISON_BYTE)
-    assert ringreduce.broadcast(tensors, root=root) is tensors
+    assert ringreduce.broadcast(tensors, root=root, streams=_fork(streams)) is tensors
     _sync(tensors)
     for r, t in enumerate(tensors):
         assert_same_bits(t, inputs[root], f"broadcast from {root} into inputs[{r}]")
 
 
-def check_reducing_collectives(dtype, op, devices, generator, sizes):
+def check_reducing_collectives(dtype, op, devices, generator, sizes, streams=None):
     """all_reduce (out of place), reduce (to the first and, in place, the last rank) and
     reduce_scatter (in place for odd sizes) for each size, on fresh random inputs."""
     n = len(devices)
@@ -151,18 +204,19 @@ def check_reducing_collectives(dtype, op, devices, generator, sizes):
         def fresh(numel):
             return random_inputs(n, numel, dtype, op, generator=generator)
 
-        check_all_reduce(fresh(count), op, devices)
-        check_reduce(fresh(count), op, devices, root=0, in_place=False)
-        check_reduce(fresh(count), op, devices, root=n - 1, in_place=True)
-        check_reduce_scatter(fresh(count * n), op, devices, in_place=count % 2 == 1)
+        check_all_reduce(fresh(count), op, devices, streams)
+        check_reduce(fresh(count), op, devices, root=0, in_place=False, streams=streams)
+        check_reduce(fresh(count), op, devices, root=n - 1, in_place=True, streams=streams)
+        check_reduce_scatter(fresh(count * n), op, devices, in_place=count % 2 == 1,
+                             streams=streams)
 
 
-def check_copying_collectives(dtype, devices, generator, sizes):
+def check_copying_collectives(dtype, devices, generator, sizes, streams=None):
     """all_gather (in place for odd sizes) and broadcast from a few roots for each size."""
     n = len(devices)
     for count in sizes:
         check_all_gather(random_inputs(n, count, dtype, "sum", generator=generator), devices,
-                         in_place=count % 2 == 1)
+                         in_place=count % 2 == 1, streams=streams)
         for root in sorted({0, n // 2, n - 1}):
             check_broadcast(random_inputs(n, count, dtype, "sum", generator=generator), devices,
-                            root)
+                            root, streams)

@@ -3,28 +3,17 @@
 Every GPU result is compared bit for bit with the ring model (tests/reference.py), which is
 also what the CPU path produces: the reduction order and the per-hop rounding are the same.
 """
-import os
-
 import pytest
 import torch
 
 import ringreduce
-from checks import check_copying_collectives, check_reducing_collectives
+from checks import check_copying_collectives, check_reducing_collectives, needs_cuda
 from reference import (ALL_DTYPES, assert_close_to_wide, random_inputs, ring_model,
                        valid_ops)
 
-HAS_CUDA = torch.cuda.is_available()
-CUDA_BUILD = ringreduce.build_info()["cuda"]
-pytestmark = [
-    pytest.mark.skipif(not HAS_CUDA, reason="no CUDA device visible to torch"),
-    pytest.mark.skipif(HAS_CUDA and not CUDA_BUILD,
-                       reason="ringreduce was built CPU-only (torch without CUDA or no nvcc)"),
-]
-MULTI_GPU = HAS_CUDA and torch.cuda.device_count() >= 2
-if HAS_CUDA and not CUDA_BUILD and os.environ.get("RINGREDUCE_REQUIRE_CUDA") == "1":
-    # scripts/gpu_check.sh sets this: a GPU run must not pass by skipping every CUDA test
-    raise RuntimeError("torch sees a GPU but ringreduce was built CPU-only (nvcc or CUDA_HOME "
-                       "missing at build time?)")
+# Skips without a GPU or a CUDA build; fails instead under RINGREDUCE_REQUIRE_CUDA=1.
+pytestmark = needs_cuda
+MULTI_GPU = torch.cuda.is_available() and torch.cuda.device_count() >= 2
 
 # Around every threshold: fewer elements than ranks, odd counts, one 16-byte vector plus a
 # tail, chunk sizes that leave trailing chunks empty, and sizes that need many blocks.

@@ -166,3 +166,50 @@ def test_describe_route_warns_when_the_named_file_is_not_what_runs(fakes, monkey
     assert describe_route("torch.cuda.nccl.all_reduce", other).endswith(
         f"{NCCL_LIB_ENV}={fakes['new']} is not what runs here (this process did not start "
         "with it preloaded)")
+
+
+RING_SETUP = """
+import json, sys, torch
+sys.path.insert(0, sys.argv[1])
+import ring
+
+def torch_version_not_wanted():
+    raise AssertionError("setup_nccl asked for torch's NCCL version")
+
+torch._C._nccl_all_reduce = object()  # pretend this CPU torch has NCCL
+ring.nccl_version_tuple = torch_version_not_wanted
+ring.torch_nccl_accepts = lambda cfg: len(set(cfg.rank_devices)) == cfg.ranks
+ring._probe_nccl_in_child = lambda cfg: "stub trial (no GPU here)"
+gpus = int(sys.argv[2])
+cfg = ring.Config(device="cuda", rank_devices=[torch.device("cuda", r % gpus) for r in range(4)],
+                  dtype_name="float32", op="sum", sizes=[8], iters=1, warmup=0, seed=0,
+                  layout="test")
+impl, why, info = ring.setup_nccl(cfg)
+print(json.dumps({"impl": impl is not None, "short": why.short, "detail": why.detail,
+                  "info": info, "header": info["library"]}))
+"""
+
+
+@pytest.mark.parametrize("gpus", [1, 4])
+def test_ring_bench_calls_the_named_library(fakes, gpus):
+    """With RINGREDUCE_NCCL_LIB the ring benchmark takes the ctypes route, on simulated ranks
+    and on one rank per GPU alike, and its header and JSON name that library."""
+    got = last_json(run_python(RING_SETUP, str(ROOT / "bench"), str(gpus),
+                               env={NCCL_LIB_ENV: fakes["new"]}))
+    info = got["info"]
+    assert (info["version"], info["path"], info["origin"]) == (
+        "2.31.2", fakes["new"], "from RINGREDUCE_NCCL_LIB")
+    assert info["route"].startswith("libnccl via ctypes (ncclCommInitAll")
+    assert ("with the GPU repeated" in info["route"]) == (gpus == 1)
+    assert got["header"] == f"NCCL 2.31.2 from RINGREDUCE_NCCL_LIB ({fakes['new']})"
+    assert "stub trial" in got["detail"]
+    assert f"NCCL 2.31.2 from RINGREDUCE_NCCL_LIB ({fakes['new']})" in got["detail"]
+
+
+def test_ring_bench_names_an_old_named_library_in_its_column(fakes):
+    got = last_json(run_python(RING_SETUP, str(ROOT / "bench"), "1",
+                               env={NCCL_LIB_ENV: fakes["old"]}))
+    assert got["short"] == "not run: NCCL 2.27.3 < 2.30"
+    assert "Duplicate GPU detected" in got["detail"]
+    assert "RINGREDUCE_NCCL_LIB is set" in got["detail"]
+    assert "nvidia-nccl-cu13" not in got["detail"]  # no hint to set what is set

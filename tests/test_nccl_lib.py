@@ -213,3 +213,47 @@ def test_ring_bench_names_an_old_named_library_in_its_column(fakes):
     assert "Duplicate GPU detected" in got["detail"]
     assert "RINGREDUCE_NCCL_LIB is set" in got["detail"]
     assert "nvidia-nccl-cu13" not in got["detail"]  # no hint to set what is set
+
+
+SKIP_REASON = """
+import json, torch
+from ringreduce.dp import nccl_skip_reason
+torch._C._nccl_all_reduce = object()  # pretend this CPU torch has NCCL
+print(json.dumps(nccl_skip_reason([torch.device("cuda", 0)] * 2)))
+"""
+
+
+def test_trainer_judges_the_named_library_for_simulated_ranks(fakes):
+    old = last_json(run_python(SKIP_REASON, env={NCCL_LIB_ENV: fakes["old"]}))
+    assert old.startswith(f"NCCL 2.27.3 from RINGREDUCE_NCCL_LIB ({fakes['old']}) refuses "
+                          "several ranks on one GPU")
+    new = last_json(run_python(SKIP_REASON, env={NCCL_LIB_ENV: fakes["new"],
+                                                 "NCCL_MULTI_RANK_GPU_ENABLE": "0"}))
+    assert new.startswith("NCCL 2.31.2 from RINGREDUCE_NCCL_LIB")
+    assert "only with NCCL_MULTI_RANK_GPU_ENABLE=1" in new
+    assert last_json(run_python(SKIP_REASON, env={NCCL_LIB_ENV: fakes["new"],
+                                                  "NCCL_MULTI_RANK_GPU_ENABLE": "1"})) is None
+
+
+TRAIN = """
+import os, sys
+print("START", os.environ.get("LD_PRELOAD"), flush=True)
+from ringreduce.train import main
+sys.exit(main())
+"""
+
+
+def test_trainer_cli_starts_again_with_the_named_library(fakes):
+    res = run_python(TRAIN, "--allreduce", "nccl", "--device", "cpu", "--epochs", "1",
+                     env={NCCL_LIB_ENV: fakes["new"]})
+    assert res.stdout.splitlines() == ["START None", f"START {fakes['new']}"]
+    assert res.returncode == 2 and "NCCL needs CUDA ranks" in res.stderr
+
+
+def test_trainer_cli_stops_on_an_unusable_named_library(tmp_path):
+    missing = tmp_path / "libnccl.so.2"
+    res = run_python(TRAIN, "--allreduce", "nccl", "--device", "cpu", "--epochs", "1",
+                     env={NCCL_LIB_ENV: str(missing)})
+    assert res.returncode == 2
+    assert res.stdout.splitlines() == ["START None"]
+    assert f"ringreduce.train: {NCCL_LIB_ENV}={missing}: no such file" in res.stderr

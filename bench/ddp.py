@@ -7,6 +7,10 @@ ResNet-18 trained with DistributedDataParallel.
     python bench/ddp.py --skip-ddp --max-bytes 16M --json sweep.json
     python bench/ddp.py --hosts 2 --skip-ddp  # 2 simulated hosts of 2 ranks each
 
+On CUDA the header names the NCCL the nccl backend runs (version, file, origin);
+RINGREDUCE_NCCL_LIB=/path/libnccl.so.2 picks another libnccl than torch's (the command restarts
+once with it in LD_PRELOAD, which the spawned ranks inherit).
+
 `ringreduce-sync` is the ringreduce backend with RINGREDUCE_ASYNC=0: every collective runs
 inline in the calling thread, as before the asynchronous engine (the "before" of that change).
 
@@ -339,12 +343,15 @@ def nccl_unavailable(args):
     import torch.distributed as dist
     if not dist.is_nccl_available():
         return "this torch has no NCCL"
+    from ringreduce.nccl import (MULTI_RANK_MIN_VERSION, NEWER_NCCL_HINT, requested_library,
+                                 torch_nccl_library)
     ngpus = torch.cuda.device_count()
     if args.ranks > ngpus:
-        version = torch.cuda.nccl.version()
-        if tuple(version) < (2, 30, 0):
-            return (f"NCCL {'.'.join(map(str, version))} refuses several ranks on one GPU "
-                    f"({args.ranks} ranks, {ngpus} GPU(s)); needs NCCL >= 2.30")
+        library = torch_nccl_library()
+        if library.version < MULTI_RANK_MIN_VERSION:
+            hint = "" if requested_library() else f"; {NEWER_NCCL_HINT}"
+            return (f"{library.describe()} refuses several ranks on one GPU "
+                    f"({args.ranks} ranks, {ngpus} GPU(s)); needs NCCL >= 2.30{hint}")
     return None
 
 
@@ -395,14 +402,28 @@ def xhost_model(size, args):
 def main(argv=None):
     args = parse_args(sys.argv[1:] if argv is None else argv)
     import torch
+
+    from ringreduce.nccl import (NcclLibraryError, describe_route, preload_requested_library,
+                                 torch_nccl_library)
+    if argv is None and "nccl" in args.backends and args.device == "cuda":
+        # With RINGREDUCE_NCCL_LIB: start again with it preloaded; the spawned ranks inherit
+        # LD_PRELOAD, so the nccl backend runs that library.
+        try:
+            preload_requested_library()
+        except NcclLibraryError as e:
+            print(f"bench/ddp.py: {e}", file=sys.stderr)
+            return 2
     info = common.host_info()
     print(f"# bench/ddp.py  {info['date']}  host {info['host']}")
     print(f"# cpu: {info['cpu']} ({info['cpu_count']} logical cores)  torch {info['torch']}")
+    nccl = None
     if args.device == "cuda":
         cinfo = common.cuda_info(range(torch.cuda.device_count()))
         gpus = ", ".join(g["name"] for g in cinfo["gpus"])
-        print(f"# gpus: {gpus}  driver {cinfo['driver']}  cuda {cinfo['cuda_runtime']}"
-              f"  nccl {'.'.join(map(str, torch.cuda.nccl.version()))}")
+        print(f"# gpus: {gpus}  driver {cinfo['driver']}  cuda {cinfo['cuda_runtime']}")
+        route, library = "the torch.distributed nccl backend", torch_nccl_library()
+        nccl = {**library.as_dict(), "route": route}
+        print(f"# nccl: {describe_route(route, library)}")
     print(f"# device {args.device}, {args.ranks} ranks (processes) per backend, "
           f"dtype {args.dtype}, op sum")
     if args.hosts > 1:
@@ -473,8 +494,8 @@ def main(argv=None):
                   f"{d['compute_ms']:9.1f} {d['comm_ms']:9.1f} {d['hidden']:7.0%}  {agree}")
     if args.json:
         common.write_json(args.json, {"host": info, "config": {
-            k: v for k, v in vars(args).items() if k != "json"}, "results": results,
-            "unavailable": unavailable})
+            k: v for k, v in vars(args).items() if k != "json"}, "nccl": nccl,
+            "results": results, "unavailable": unavailable})
     if any(why.startswith("failed") for why in unavailable.values()):
         return 2
     return 1 if bad else 0

@@ -21,6 +21,10 @@ reduced onto the first rank, both on the ring; comm = the time in those collecti
 distinct GPUs, torch.nn.DataParallel (row nn-dp; its communication is not timed). Checked:
 replicas bitwise identical after the steps, and parameters after the first step close to the
 first row's. Exits 1 when anything is wrong.
+
+The header names the NCCL the nccl rows ran (version, file, origin); RINGREDUCE_NCCL_LIB=
+/path/libnccl.so.2 picks another libnccl than torch's (the command restarts once with it in
+LD_PRELOAD; ranks sharing a GPU call it directly).
 """
 
 import argparse
@@ -40,9 +44,10 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 from ringreduce.dp import (DEFAULT_BUCKET_MB, METHODS, DataParallel, NcclUnavailable,
-                           WrappedTrainer, bucket_indices, make_all_reduce,
+                           WrappedTrainer, bucket_indices, make_all_reduce, nccl_route,
                            nn_dataparallel_skip_reason, parse_devices)
 from ringreduce.models import resnet18
+from ringreduce.nccl import NcclLibraryError, describe_route, preload_requested_library
 
 FP32_UNIT_ROUNDOFF = 2.0 ** -24
 # Step rows for the module wrappers: ringreduce.DataParallel and torch.nn.DataParallel.
@@ -311,18 +316,21 @@ def main(argv=None):
     except ValueError as e:
         print(f"bench/resnet18.py: {e}", file=sys.stderr)
         return 2
+    if argv is None and "nccl" in args.methods and devices[0].type == "cuda":
+        try:
+            preload_requested_library()  # with RINGREDUCE_NCCL_LIB: start again, preloaded
+        except NcclLibraryError as e:
+            print(f"bench/resnet18.py: {e}", file=sys.stderr)
+            return 2
     import ringreduce
 
     config = {"date": common.now_iso(), "command": common.command_line(),
               "devices": [str(d) for d in devices], "device_names": describe_devices(devices),
               "torch": torch.__version__, "cuda": torch.version.cuda,
               "ringreduce": ringreduce.build_info(), **{k: v for k, v in vars(args).items()}}
-    if devices[0].type == "cuda" and hasattr(torch._C, "_nccl_all_reduce"):
-        config["nccl"] = ".".join(map(str, torch.cuda.nccl.version()))
     print(f"# ResNet-18 gradient all-reduce, {len(devices)} ranks on {config['device_names']}")
     print(f"# ranks {config['devices']}; torch {torch.__version__}; ringreduce "
-          f"{config['ringreduce']['version']} (cuda build: {config['ringreduce']['cuda']})"
-          + (f"; NCCL {config['nccl']}" if "nccl" in config else ""))
+          f"{config['ringreduce']['version']} (cuda build: {config['ringreduce']['cuda']})")
     methods, skipped = {}, {}
     for m in args.methods:
         try:
@@ -330,6 +338,10 @@ def main(argv=None):
         except NcclUnavailable as e:
             skipped[m] = str(e)
             print(f"# {m}: skipped: {e}")
+    if "nccl" in methods:
+        route, library = nccl_route(methods["nccl"])
+        config["nccl"] = {**library.as_dict(), "route": route}
+        print(f"# nccl: {describe_route(route, library)}")
     wrappers = []
     for w in args.wrappers:
         reason = nn_dataparallel_skip_reason(devices) if w == "nn-dataparallel" else None

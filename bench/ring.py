@@ -12,10 +12,14 @@ buffers in the same process:
               on one GPU torch refuses ("inputs must be on unique devices"), so libnccl is called
               directly (ncclCommInitAll with the GPU repeated), which needs NCCL >= 2.30 and
               NCCL_MULTI_RANK_GPU_ENABLE=1. Where NCCL cannot run, the reason stands in its column.
+              RINGREDUCE_NCCL_LIB=/path/libnccl.so.2: that library instead, called directly
+              whatever the layout (the command restarts once with it in LD_PRELOAD). The header
+              and JSON name the NCCL that ran: version, file and where it came from.
   reference   CPU only: torch.stack + reduce + copy back into every rank
   roofline    all ranks on one GPU: ringreduce's time as a percentage of the ideal time
               5*S*(N-1)/B, B the device-to-device copy bandwidth measured in this run.
-Exits 1 when any result is wrong or ringreduce fails, 2 on bad arguments.
+Exits 1 when any result is wrong or ringreduce fails, 2 on bad arguments or an unusable
+RINGREDUCE_NCCL_LIB.
 """
 from __future__ import annotations
 
@@ -33,7 +37,9 @@ if _HERE not in sys.path:
 
 import common  # noqa: E402  (bench/ is not a package; common.py sits beside this file)
 import torch  # noqa: E402
-from ringreduce.nccl import MULTI_RANK_MIN_VERSION, NCCL_OPS, LibNccl  # noqa: E402
+from ringreduce.nccl import (MULTI_RANK_MIN_VERSION, NCCL_LIB_ENV, NCCL_OPS,  # noqa: E402
+                             NEWER_NCCL_HINT, LibNccl, NcclLibraryError, load_libnccl,
+                             preload_requested_library, requested_library, torch_nccl_library)
 
 DTYPES = {
     "float32": torch.float32, "float64": torch.float64, "float16": torch.float16,
@@ -404,8 +410,13 @@ def nccl_probe_main(cfg: Config) -> int:
 
 def setup_nccl(cfg: Config) -> tuple[Impl | None, Unavailable | None, dict]:
     """The NCCL implementation for this run, or why there is none; plus what the header and
-    JSON should say about NCCL."""
-    info: dict = {"route": None, "version": None}
+    JSON should say about NCCL (route, and version, file and origin of the library that runs).
+
+    With RINGREDUCE_NCCL_LIB set, the named library is called directly through ctypes whatever
+    the layout, so that it is what runs; a file that cannot be used raises NcclLibraryError.
+    Otherwise torch.cuda.nccl runs where it accepts the ranks (one per GPU), and torch's own
+    libnccl is called directly where ranks share a GPU."""
+    info: dict = {"route": None, "library": None, "version": None, "path": None, "origin": None}
 
     def no(short, detail):
         info["reason"] = detail
@@ -421,39 +432,51 @@ def setup_nccl(cfg: Config) -> tuple[Impl | None, Unavailable | None, dict]:
         # NCCL reads its environment when first used; set before any call into it.
         os.environ.setdefault("NCCL_MULTI_RANK_GPU_ENABLE", "1")
         info["NCCL_MULTI_RANK_GPU_ENABLE"] = os.environ["NCCL_MULTI_RANK_GPU_ENABLE"]
-    try:
-        version = nccl_version_tuple()
-    except Exception as e:  # noqa: BLE001  (any failure here is a reason to print, not a crash)
-        return no("no NCCL version", f"torch.cuda.nccl.version() failed: {e}")
-    vtext = ".".join(map(str, version))
-    info["version"] = vtext
-    if torch_nccl_accepts(cfg):
+    requested = requested_library() is not None
+    if requested:
+        library = load_libnccl()[1]
+    else:
+        try:
+            library = torch_nccl_library(nccl_version_tuple())
+        except Exception as e:  # noqa: BLE001  (any failure here is a reason to print)
+            return no("no NCCL version", f"torch.cuda.nccl.version() failed: {e}")
+    info.update(library.as_dict(), library=library.describe())
+    vtext = library.version_text
+    if not requested and torch_nccl_accepts(cfg):
         info["route"] = "torch.cuda.nccl.all_reduce"
-        return (Impl("nccl", f"torch.cuda.nccl.all_reduce, NCCL {vtext}", TorchNccl(cfg.op)),
-                None, info)
-    if not shared:
+        return (Impl("nccl", f"torch.cuda.nccl.all_reduce, {library.describe()}",
+                     TorchNccl(cfg.op)), None, info)
+    if not requested and not shared:
         return no("torch.cuda.nccl refuses",
                   "torch.cuda.nccl.is_available() is False for these tensors")
 
-    info["route"] = "libnccl via ctypes (ncclCommInitAll with the GPU repeated)"
-    why_torch = ("torch.cuda.nccl takes one tensor per GPU (is_available() is False here; "
-                 "all_reduce raises \"inputs must be on unique devices\")")
-    if version < MULTI_RANK_MIN_VERSION:
+    info["route"] = ("libnccl via ctypes (ncclCommInitAll"
+                     + (" with the GPU repeated)" if shared else ")"))
+    if requested:
+        why = f"{NCCL_LIB_ENV} is set, so the library it names is called directly"
+    else:
+        why = ("torch.cuda.nccl takes one tensor per GPU (is_available() is False here; "
+               "all_reduce raises \"inputs must be on unique devices\")")
+    if shared and library.version < MULTI_RANK_MIN_VERSION:
+        hint = "" if requested else f"; {NEWER_NCCL_HINT}"
         return no(f"NCCL {vtext} < 2.30",
-                  f"NCCL {vtext} is older than 2.30 and refuses several ranks on one GPU "
-                  f"(\"Duplicate GPU detected\"); {why_torch}")
+                  f"{library.describe()} is older than 2.30 and refuses several ranks on one "
+                  f"GPU (\"Duplicate GPU detected\"); {why}{hint}")
     reason = _probe_nccl_in_child(cfg)
     if reason is not None:
-        return no("NCCL failed (see header)", f"NCCL {vtext} with "
-                  f"NCCL_MULTI_RANK_GPU_ENABLE={info['NCCL_MULTI_RANK_GPU_ENABLE']}: {reason}")
+        enable = info.get("NCCL_MULTI_RANK_GPU_ENABLE")
+        return no("NCCL failed (see header)", f"{library.describe()}"
+                  + (f" with NCCL_MULTI_RANK_GPU_ENABLE={enable}" if shared else "")
+                  + f": {reason}")
     try:
         lib = LibNccl(devices, cfg.op)
     except Exception as e:  # noqa: BLE001
-        return no("NCCL init failed (see header)", f"NCCL {vtext}: {e}")
-    info["library"] = lib.path
-    describe = (f"{lib.path} {'.'.join(map(str, lib.version))} called directly, "
-                f"ncclCommInitAll(devlist={devices}), NCCL_MULTI_RANK_GPU_ENABLE="
-                f"{info['NCCL_MULTI_RANK_GPU_ENABLE']}, one stream per rank; {why_torch}")
+        return no("NCCL init failed (see header)", f"{library.describe()}: {e}")
+    info.update(lib.library.as_dict(), library=lib.library.describe())
+    describe = (f"{lib.library.describe()} called directly, ncclCommInitAll(devlist={devices})"
+                + (f", NCCL_MULTI_RANK_GPU_ENABLE={info['NCCL_MULTI_RANK_GPU_ENABLE']}"
+                   if shared else "")
+                + f", one stream per rank; {why}")
     return Impl("nccl", describe, lib, close=lib.close), None, info
 
 
@@ -616,7 +639,7 @@ def header_lines(cfg: Config, desc: dict, impls: list[Impl], unavailable: dict,
                           for g in c["gpus"])
         lines.append(f"# device: {names}; driver {c['driver']}")
         lines.append(f"# versions: torch {h['torch']}, CUDA {c['cuda_runtime']}, "
-                     f"NCCL {nccl.get('version') or 'n/a'}, ringreduce {bi.get('version')} "
+                     f"{nccl.get('library') or 'NCCL n/a'}, ringreduce {bi.get('version')} "
                      f"(CUDA build: {bi.get('cuda')}, arch {bi.get('arch_list')})")
     else:
         lines.append(f"# device: CPU, {h['cpu']}, {h['cpu_count']} cores, "
@@ -650,6 +673,7 @@ def header_lines(cfg: Config, desc: dict, impls: list[Impl], unavailable: dict,
 
 
 def main(argv=None, out=None) -> int:
+    from_command_line = argv is None
     argv = sys.argv[1:] if argv is None else list(argv)
     out = out or sys.stdout
 
@@ -664,6 +688,15 @@ def main(argv=None, out=None) -> int:
             print(f"bench/ring.py: {e}", file=sys.stderr)
             return 2
     cfg = make_config(parser, args)
+    if from_command_line and cfg.device == "cuda":
+        # With RINGREDUCE_NCCL_LIB, the command starts again with that library preloaded:
+        # torch's own NCCL calls then bind to it too, and the process holds one NCCL, not the
+        # named one beside torch's.
+        try:
+            preload_requested_library()
+        except NcclLibraryError as e:
+            print(f"bench/ring.py: {e}", file=sys.stderr)
+            return 2
     if args.nccl_probe:
         return nccl_probe_main(cfg)
     try:
@@ -685,7 +718,11 @@ def main(argv=None, out=None) -> int:
                      else f" (RINGREDUCE_TRANSPORT={transport})"),
                   lambda ts: run_ringreduce(ts, cfg.op))]
     unavailable: dict[str, Unavailable] = {}
-    nccl, why_not, nccl_info = setup_nccl(cfg)
+    try:
+        nccl, why_not, nccl_info = setup_nccl(cfg)
+    except NcclLibraryError as e:
+        print(f"bench/ring.py: {e}", file=sys.stderr)
+        return 2
     if nccl is not None:
         impls.append(nccl)
     else:

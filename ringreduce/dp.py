@@ -7,7 +7,8 @@ replica. The method is the only thing that differs between runs:
 
 - "ring":  ringreduce.all_reduce
 - "nccl":  NCCL through torch.cuda.nccl (one rank per GPU), or libnccl called directly when
-           several ranks share a GPU (needs NCCL >= 2.30 and NCCL_MULTI_RANK_GPU_ENABLE=1)
+           several ranks share a GPU (needs NCCL >= 2.30 and NCCL_MULTI_RANK_GPU_ENABLE=1; the
+           file RINGREDUCE_NCCL_LIB names when it is set, see ringreduce.nccl)
 - "naive": sum everything on rank 0, then copy the sum back to every rank (the textbook way)
 
 Gradients live in flat per-replica buckets (DDP's gradient_as_bucket_view): one all-reduce per
@@ -28,7 +29,8 @@ import torch
 import torch.nn.functional as F
 
 from .comm import pack_indices
-from .nccl import MULTI_RANK_MIN_VERSION, LibNccl
+from .nccl import (MULTI_RANK_MIN_VERSION, NEWER_NCCL_HINT, LibNccl, NcclLibraryError,
+                   load_libnccl, requested_library, torch_nccl_library)
 
 METHODS = ("ring", "nccl", "naive")
 WRAPPERS = ("replicas", "dataparallel", "nn-dataparallel")
@@ -113,10 +115,6 @@ class NcclUnavailable(RuntimeError):
     """NCCL cannot run on these ranks; the message says why."""
 
 
-def _nccl_version_string():
-    return ".".join(str(v) for v in torch.cuda.nccl.version())
-
-
 def nccl_skip_reason(devices):
     """Why the nccl method cannot run on these ranks, or None if it should (a probe still runs)."""
     if any(d.type != "cuda" for d in devices):
@@ -124,16 +122,28 @@ def nccl_skip_reason(devices):
     if not hasattr(torch._C, "_nccl_all_reduce"):
         return f"torch {torch.__version__} was built without NCCL"
     if len(set(devices)) < len(devices):
-        version = tuple(torch.cuda.nccl.version()[:2])
-        if version < MULTI_RANK_MIN_VERSION:
-            return (f"NCCL {_nccl_version_string()} refuses several ranks on one GPU "
+        try:
+            library = load_libnccl()[1]  # what LibNccl will call
+        except NcclLibraryError as e:
+            return str(e)
+        if library.version < MULTI_RANK_MIN_VERSION:
+            hint = "" if requested_library() else f"; {NEWER_NCCL_HINT}"
+            return (f"{library.describe()} refuses several ranks on one GPU "
                     f"('Duplicate GPU detected'); that needs NCCL >= "
                     f"{'.'.join(map(str, MULTI_RANK_MIN_VERSION))} "
-                    f"with NCCL_MULTI_RANK_GPU_ENABLE=1")
+                    f"with NCCL_MULTI_RANK_GPU_ENABLE=1{hint}")
         if os.environ.get("NCCL_MULTI_RANK_GPU_ENABLE") != "1":
-            return (f"NCCL {_nccl_version_string()} runs several ranks on one GPU only with "
+            return (f"{library.describe()} runs several ranks on one GPU only with "
                     f"NCCL_MULTI_RANK_GPU_ENABLE=1 in the environment")
     return None
+
+
+def nccl_route(fn):
+    """(route, NcclLibrary) of a function make_all_reduce("nccl", ...) returned: libnccl called
+    directly (ranks sharing a GPU) or torch.cuda.nccl, and the library that runs."""
+    if isinstance(fn, LibNccl):
+        return "libnccl via ctypes (ncclCommInitAll)", fn.library
+    return "torch.cuda.nccl.all_reduce", torch_nccl_library()
 
 
 def _nccl_unique_devices(tensors):
@@ -163,7 +173,7 @@ def _probe_nccl(fn, devices):
         except Exception as e:  # reported below as the reason NCCL is unavailable
             errors.append(e)
 
-    where = f"NCCL {_nccl_version_string()} on {n} ranks {[str(d) for d in devices]}"
+    where = f"{nccl_route(fn)[1].describe()} on {n} ranks {[str(d) for d in devices]}"
     thread = threading.Thread(target=body, daemon=True, name="rr-nccl-probe")
     thread.start()
     deadline = time.monotonic() + NCCL_TIMEOUT_S
@@ -203,7 +213,7 @@ def make_all_reduce(method, devices):
     try:
         fn = _nccl_unique_devices if len(set(devices)) == len(devices) else LibNccl(devices, "sum")
     except RuntimeError as e:
-        raise NcclUnavailable(f"NCCL {_nccl_version_string()} set-up failed: {e}") from e
+        raise NcclUnavailable(f"NCCL set-up failed: {e}") from e
     _probe_nccl(fn, devices)
     return fn
 
@@ -302,6 +312,11 @@ class DataParallel(_Ranks):
 
     def _current_streams(self):
         return {d: torch.cuda.current_stream(d) for d in dict.fromkeys(self.devices)}
+
+    @property
+    def nccl(self):
+        """(route, NcclLibrary) of the nccl method (see nccl_route); None for the others."""
+        return nccl_route(self._all_reduce) if self.method == "nccl" else None
 
     def all_reduce(self, tensors):
         """Sum `tensors` (one per rank) in place with this run's method; a no-op for one rank."""

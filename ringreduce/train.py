@@ -6,6 +6,9 @@
 
 Prints a progress bar during each epoch (stderr) and then, on stdout,
 `test acc: 0.91, 12.2 sec/epoch on [cuda:0, cuda:1]` (seconds of training, evaluation excluded).
+With --allreduce nccl it first says which NCCL runs (version, file, origin);
+RINGREDUCE_NCCL_LIB=/path/libnccl.so.2 picks another libnccl than torch's (the command restarts
+once with it in LD_PRELOAD).
 """
 
 import argparse
@@ -19,6 +22,7 @@ from .dp import (DEFAULT_BUCKET_MB, METHODS, WRAPPERS, DataParallel, NcclUnavail
                  WrappedTrainer, WrapperUnavailable, nn_dataparallel_skip_reason,
                  parse_devices)
 from .models import resnet18
+from .nccl import NcclLibraryError, describe_route, preload_requested_library
 
 
 def build_parser():
@@ -149,6 +153,8 @@ def train(args, out=sys.stdout, progress_stream=sys.stderr):
            else f"wrapper={args.wrapper}")
     print(f"ResNet-18 on {data.describe()}; {len(devices)} ranks {device_list}, {how}, "
           f"batch {args.batch_size}, lr {args.lr}", file=out, flush=True)
+    if args.allreduce == "nccl":  # check_args: only with --wrapper replicas (a DataParallel)
+        print(f"NCCL: {describe_route(*dp.nccl)}", file=out, flush=True)
     shuffle = torch.Generator().manual_seed(args.seed)
     steps = (len(data.train_y) + args.batch_size - 1) // args.batch_size
     if args.max_steps is not None:
@@ -183,7 +189,13 @@ def train(args, out=sys.stdout, progress_stream=sys.stderr):
 def main(argv=None):
     args = build_parser().parse_args(argv)
     try:
+        if argv is None and args.allreduce == "nccl":
+            # The command line as typed: it can start again with RINGREDUCE_NCCL_LIB preloaded.
+            preload_requested_library()
         train(args)
+    except NcclLibraryError as e:
+        print(f"ringreduce.train: {e}", file=sys.stderr)
+        return 2
     except NcclUnavailable as e:
         print(f"ringreduce.train: --allreduce nccl cannot run here: {e}", file=sys.stderr)
         return 2

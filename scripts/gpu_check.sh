@@ -10,6 +10,21 @@ mkdir -p "$out"
 # Every phase is bounded (PHASE_TIMEOUT seconds, and 120 s per test where pytest-timeout is
 # installed, as on the GPU machine), so a hang costs one phase, not the device call. The build
 # is for sm_90 only unless RINGREDUCE_CUDA_ARCH_LIST says otherwise (one device call builds).
+# Another NCCL than torch's (which may be older than the 2.30 simulated ranks need): get the
+# nvidia-nccl-cu13 wheel's libnccl.so.2 into /tmp/nccl with scripts/nccl_wheel.sh (fetch here,
+# then one device call per piece to append it and one to unpack, while the machine is warm),
+# then RINGREDUCE_NCCL_LIB=/tmp/nccl/nvidia/nccl/lib/libnccl.so.2 bash scripts/gpu_check.sh:
+# every phase runs against it (the benchmarks restart with it in LD_PRELOAD), and nccl.log and
+# the headers say which NCCL ran. A libnccl found in /tmp/nccl is only pointed out, never used
+# unasked.
+wheel_nccl=/tmp/nccl/nvidia/nccl/lib/libnccl.so.2
+if [ -n "${RINGREDUCE_NCCL_LIB:-}" ]; then
+  export RINGREDUCE_NCCL_LIB
+  echo "gpu_check: RINGREDUCE_NCCL_LIB=$RINGREDUCE_NCCL_LIB" | tee "$out/nccl.log"
+elif [ -f "$wheel_nccl" ]; then
+  echo "gpu_check: $wheel_nccl is here but unused; to compare against it:" \
+    "RINGREDUCE_NCCL_LIB=$wheel_nccl bash scripts/gpu_check.sh $*" | tee "$out/nccl.log"
+fi
 export PYTHONUNBUFFERED=1 RINGREDUCE_REQUIRE_CUDA=1 \
   NCCL_MULTI_RANK_GPU_ENABLE=${NCCL_MULTI_RANK_GPU_ENABLE:-1} \
   RINGREDUCE_CUDA_ARCH_LIST=${RINGREDUCE_CUDA_ARCH_LIST:-9.0}

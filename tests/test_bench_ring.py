@@ -277,6 +277,7 @@ def fake_nccl_torch(monkeypatch):
     monkeypatch.setattr(torch._C, "_nccl_all_reduce", object(), raising=False)
     monkeypatch.setattr(ring, "torch_nccl_accepts", lambda cfg: False)
     monkeypatch.delenv("NCCL_MULTI_RANK_GPU_ENABLE", raising=False)
+    monkeypatch.delenv("RINGREDUCE_NCCL_LIB", raising=False)
 
 
 def test_old_nccl_on_one_gpu_is_named_in_its_column(monkeypatch, fake_nccl_torch):
@@ -286,6 +287,8 @@ def test_old_nccl_on_one_gpu_is_named_in_its_column(monkeypatch, fake_nccl_torch
     assert "2.27.3" in why.short and "Duplicate GPU detected" in why.detail
     assert os.environ["NCCL_MULTI_RANK_GPU_ENABLE"] == "1"
     assert info["version"] == "2.27.3"
+    assert "RINGREDUCE_NCCL_LIB" in why.detail  # the way to a newer one
+    assert info["library"].startswith("NCCL 2.27.3 torch's bundled (")
     table = common.Table(ring.KEY_COLUMNS, [("ringreduce", ring.IMPL_COLUMNS),
                                             ("nccl", ring.IMPL_COLUMNS)])
     row = {"size": 8, "count": 2, "type": "float32", "redop": "sum",

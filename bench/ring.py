@@ -169,6 +169,9 @@ def parse_args(argv):
     p.add_argument("--csv", metavar="PATH", help="write one line per size")
     p.add_argument("--plot", metavar="PATH",
                    help="busbw and time against size, one line per implementation (matplotlib)")
+    p.add_argument("--graph", action="store_true",
+                   help="also time ringreduce replayed from a CUDA graph (ranks on one GPU, "
+                        "one stream): the column ringreduce-graph")
     p.add_argument(NCCL_PROBE_FLAG, action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     return p, args
@@ -329,6 +332,46 @@ def count_wrong(outputs: list[torch.Tensor], ref: Reference) -> int:
 def run_ringreduce(tensors: list[torch.Tensor], op: str) -> None:
     import ringreduce
     ringreduce.all_reduce(tensors, op=op)
+
+
+class GraphedRingreduce:
+    """ringreduce.all_reduce captured in a CUDA graph once per buffer set, then replayed: the
+    time per call without the host's launch cost. The first call of a set runs it once eagerly
+    (warm-up, outside the capture), restores the inputs, captures, and replays."""
+
+    def __init__(self, op: str):
+        self._op = op
+        self._graphs = {}
+
+    def __call__(self, tensors: list[torch.Tensor]) -> None:
+        key = tuple(t.data_ptr() for t in tensors)
+        graph = self._graphs.get(key)
+        if graph is None:
+            saved = [t.clone() for t in tensors]
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                run_ringreduce(tensors, self._op)
+            torch.cuda.current_stream().wait_stream(side)
+            for t, s in zip(tensors, saved):
+                t.copy_(s)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                run_ringreduce(tensors, self._op)
+            self._graphs[key] = graph
+        graph.replay()
+
+
+def ringreduce_path(cfg: Config, size: int) -> str:
+    """Which kernel ringreduce.all_reduce runs at this size (the rule in csrc/bindings.cpp): the
+    one-shot kernel when every rank is on one stream of one GPU with the p2p transport and a
+    rank holds at most RINGREDUCE_ONESHOT_BYTES, else the ring."""
+    if cfg.device != "cuda":
+        return "ring"
+    from ringreduce.core import _oneshot_bytes, _transport
+    if cfg.one_gpu and _transport() == "p2p" and size <= _oneshot_bytes():
+        return "oneshot"
+    return "ring"
 
 
 _STACK_REDUCE = {
@@ -508,7 +551,8 @@ def measure_size(cfg: Config, impls: list[Impl], size: int, cache_bytes: int,
                                  max_sets=min(64, cfg.iters + cfg.warmup))
     sets = [[x.clone() for x in inputs] for _ in range(nsets)]
     row = {"size": size, "count": count, "type": cfg.dtype_name, "redop": cfg.op,
-           "buffer_sets": nsets, "results": {}}
+           "buffer_sets": nsets, "path": ringreduce_path(cfg, count * cfg.elem_size),
+           "results": {}}
     timing_devices = cfg.cuda_indices if cfg.device == "cuda" else None
 
     for impl in list(impls):
@@ -524,8 +568,8 @@ def measure_size(cfg: Config, impls: list[Impl], size: int, cache_bytes: int,
             msg = f"{type(e).__name__}: {e}".strip()
             row["results"][impl.name] = {"error": msg}
             log(f"# {impl.name} failed at size {size}: {msg}")
-            if impl.name == "nccl":
-                log("#   nccl: further sizes skipped")
+            if impl.name in ("nccl", "ringreduce-graph"):
+                log(f"#   {impl.name}: further sizes skipped")
                 impls.remove(impl)
             else:
                 outcome.ok = False
@@ -571,7 +615,7 @@ def table_cells(row: dict, impl_names: list[str], unavailable: dict[str, Unavail
 
 
 def csv_fields(impl_names: list[str], roofline: bool) -> list[str]:
-    fields = ["size", "count", "type", "redop", "ranks"]
+    fields = ["size", "count", "type", "redop", "ranks", "path"]
     for name in impl_names:
         fields += [f"{name}_time_us", f"{name}_algbw_gbps", f"{name}_busbw_gbps",
                    f"{name}_wrong", f"{name}_error"]
@@ -582,7 +626,7 @@ def csv_fields(impl_names: list[str], roofline: bool) -> list[str]:
 
 def csv_row(row: dict, cfg: Config, impl_names: list[str],
             unavailable: dict[str, Unavailable]) -> dict:
-    out = {k: row[k] for k in ("size", "count", "type", "redop")}
+    out = {k: row[k] for k in ("size", "count", "type", "redop", "path")}
     out["ranks"] = cfg.ranks
     for name in impl_names:
         r = row["results"].get(name, {})
@@ -669,6 +713,14 @@ def header_lines(cfg: Config, desc: dict, impls: list[Impl], unavailable: dict,
         lines.append(f"#   roofline: device-to-device copy bandwidth B = {copy_bw / 1e9:.1f} GB/s "
                      "(read + write, copy_ of 1 GiB); ideal = 5*S*(N-1)/B; "
                      "ring(%ideal) = ideal / ringreduce time")
+    if cfg.device == "cuda":
+        oneshot = [r for r in cfg.sizes if ringreduce_path(cfg, r) == "oneshot"]
+        if oneshot:
+            lines.append(f"#   ringreduce path: the one-shot kernel up to "
+                         f"{common.format_size(oneshot[-1])} per rank (RINGREDUCE_ONESHOT_BYTES; "
+                         "0 runs the ring at every size), the ring above; JSON rows say which")
+        else:
+            lines.append("#   ringreduce path: the ring at every size")
     return lines
 
 
@@ -727,6 +779,14 @@ def main(argv=None, out=None) -> int:
         impls.append(nccl)
     else:
         unavailable["nccl"] = why_not
+    if args.graph:
+        if cfg.device == "cuda" and cfg.one_gpu:
+            impls.append(Impl("ringreduce-graph", "ringreduce.all_reduce captured in a CUDA "
+                              "graph per buffer set and replayed", GraphedRingreduce(cfg.op)))
+        else:
+            unavailable["ringreduce-graph"] = Unavailable(
+                "ringreduce-graph", "needs ranks on one GPU",
+                "--graph: capture needs every rank on one GPU and one stream")
     if cfg.device == "cpu":
         impls.append(Impl("reference", "torch.stack + reduce + copy back into every rank",
                           lambda ts: run_stack_reference(ts, cfg.op)))

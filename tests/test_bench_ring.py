@@ -325,7 +325,7 @@ def test_cuda_simulated_ranks_tiny(tmp_path):
                .split(",")[0])
     res = subprocess.run(
         [sys.executable, str(BENCH), "--device", "cuda", "--min-bytes", "8", "--max-bytes",
-         "256K", "--iters", "3", "--warmup", "1", "--json", str(jpath)],
+         "256K", "--iters", "3", "--warmup", "1", "--graph", "--json", str(jpath)],
         capture_output=True, text=True, timeout=400, cwd=ROOT, env=env)
     assert res.returncode == 0, res.stdout + res.stderr
     data = json.loads(jpath.read_text())
@@ -333,9 +333,24 @@ def test_cuda_simulated_ranks_tiny(tmp_path):
     assert cfg["ranks"] == 4 and cfg["copy_bandwidth_gbps"] > 0
     nccl_ok = "nccl" in cfg["implementations"]
     assert nccl_ok or cfg["unavailable"]["nccl"]
+    paths = set()
     for row in data["rows"]:
         assert row["results"]["ringreduce"]["wrong"] == 0
+        assert row["results"]["ringreduce-graph"]["wrong"] == 0
         assert_bandwidth_arithmetic(row["size"], row["results"]["ringreduce"], 4)
         assert row["roofline"]["ringreduce_pct_of_ideal"] > 0
+        paths.add(row["path"])
         if nccl_ok:
             assert row["results"]["nccl"]["wrong"] == 0
+    assert paths == {"oneshot", "ring"}, "the sweep crosses the one-shot threshold (64 KiB)"
+
+
+def test_graph_and_path_on_cpu(tmp_path):
+    """--graph names why it cannot run on CPU; every CPU row ran the ring."""
+    jpath = tmp_path / "r.json"
+    rc, text = run_main([*TINY, "--max-bytes", "256", "--graph", "--json", str(jpath)])
+    assert rc == 0, text
+    assert "ringreduce-graph: --graph: capture needs every rank on one GPU" in text
+    data = json.loads(jpath.read_text())
+    assert {row["path"] for row in data["rows"]} == {"ring"}
+    assert "ringreduce-graph" in data["config"]["unavailable"]

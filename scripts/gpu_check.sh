@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Everything a session with the GPU machine should run, in one device call:
-#   bash scripts/gpu_check.sh [tests] [ring] [sweep] [train] [resnet18] [ddp]
-#   (no argument: all six; each phase fits one device call on its own)
+#   bash scripts/gpu_check.sh [gputests] [ring] [sweep] [train] [resnet18] [ddp] [tests]
+#   (no argument: all seven; gputests is the GPU test files, tests the whole suite; each phase
+#   fits one device call on its own; docs/GPU_SESSION.md plans a session)
 # Logs and JSON go to ./gpu-logs; after every phase they are packed into $OUT/gpu-logs.tgz with
 # a one-line-per-phase $OUT/summary.txt (the device tool brings back at most 8 files from $OUT).
 set -uo pipefail
@@ -34,7 +35,7 @@ export PYTHONUNBUFFERED=1 RINGREDUCE_REQUIRE_CUDA=1 \
 limit=${PHASE_TIMEOUT:-540}
 per_test=()
 python3 -c "import pytest_timeout" 2>/dev/null && per_test=(--timeout=120)
-phases=${*:-tests ring sweep train resnet18 ddp}
+phases=${*:-gputests ring sweep train resnet18 ddp tests}
 status=0
 run() {  # run NAME CMD...: tee the output to $out/NAME.log and remember a failure
   local name=$1; shift
@@ -80,13 +81,16 @@ train() {
 bash scripts/setup.sh > "$out/setup.log" 2>&1 || { cat "$out/setup.log"; pack; exit 1; }
 for p in $phases; do
   case $p in
+    gputests) run gputests python3 -m pytest -q -rs "${per_test[@]}" tests/test_cuda.py \
+      tests/test_cuda_review.py tests/test_distributed_cuda.py tests/test_bench_ring.py ;;
     tests) run tests python3 -m pytest -q -rs "${per_test[@]}" tests ;;
     ring) run ring python3 bench/ring.py --graph --json "$out/ring.json" --plot "$out/ring.png" ;;
     sweep) run sweep sweep ;;
     train) run train train ;;
     resnet18) run resnet18 python3 bench/resnet18.py --device cuda:0 --ranks 4 --json "$out/resnet18.json" ;;
     ddp) run ddp python3 bench/ddp.py --device cuda --ranks 4 --json "$out/ddp.json" ;;
-    *) echo "gpu_check: unknown phase '$p' (tests, ring, sweep, train, resnet18, ddp)" >&2
+    *) echo "gpu_check: unknown phase '$p' (gputests, ring, sweep, train, resnet18, ddp," \
+         "tests)" >&2
        exit 2 ;;
   esac
 done

@@ -32,54 +32,13 @@ struct StepParams {
   int nranks;
 };
 
-template <typename T, Op op, bool kReduce, bool kLast>
-__device__ __forceinline__ T apply(T mine, T incoming, typename Reducer<T, op>::D divisor) {
-  if (!kReduce) return incoming;
-  if (kLast) return Reducer<T, op>::last_step(mine, incoming, divisor);
-  return Reducer<T, op>::step(mine, incoming);
-}
-
-// blockIdx.y picks the task (one rank's chunk); blockIdx.x and threads stride over it. 16-byte
-// vectors when both pointers are 16-byte aligned (chunk offsets always are, so this depends
-// only on the tensors' own alignment), element by element otherwise and for the tail.
+// blockIdx.y picks the task (one rank's chunk); blockIdx.x and threads stride over it
+// (step.h's step_thread).
 template <typename T, Op op, bool kReduce, bool kLast>
 __global__ void __launch_bounds__(kThreads) step_kernel(const __grid_constant__ StepParams p) {
-  using D = typename Reducer<T, op>::D;
-  const Task& task = p.task[blockIdx.y];
-  T* dst = static_cast<T*>(task.dst);
-  const T* own = task.own != nullptr ? static_cast<const T*>(task.own) : dst;
-  const T* src = static_cast<const T*>(task.src);
-  const int64_t n = task.n;
-  const D divisor = D(p.nranks);
-  const int64_t stride = int64_t(gridDim.x) * blockDim.x;
-  const int64_t tid = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
-  constexpr int kVec = 16 / int(sizeof(T));
-
-  int64_t head = 0;
-  if (((reinterpret_cast<uintptr_t>(dst) | reinterpret_cast<uintptr_t>(own) |
-        reinterpret_cast<uintptr_t>(src)) & 15) == 0) {
-    const int64_t nvec = n / kVec;
-    uint4* dv = reinterpret_cast<uint4*>(dst);
-    const uint4* ov = reinterpret_cast<const uint4*>(own);
-    const uint4* sv = reinterpret_cast<const uint4*>(src);
-    for (int64_t i = tid; i < nvec; i += stride) {
-      uint4 in = sv[i];
-      if (kReduce) {
-        uint4 mine = ov[i];
-        T m[kVec], x[kVec];
-        memcpy(m, &mine, 16);
-        memcpy(x, &in, 16);
-#pragma unroll
-        for (int j = 0; j < kVec; ++j) m[j] = apply<T, op, kReduce, kLast>(m[j], x[j], divisor);
-        memcpy(&in, m, 16);
-      }
-      dv[i] = in;
-    }
-    head = nvec * kVec;
-  }
-  for (int64_t i = head + tid; i < n; i += stride) {
-    dst[i] = apply<T, op, kReduce, kLast>(own[i], src[i], divisor);
-  }
+  step_thread<T, op, kReduce, kLast>(p.task[blockIdx.y], p.nranks,
+                                     int64_t(blockIdx.x) * blockDim.x + threadIdx.x,
+                                     int64_t(gridDim.x) * blockDim.x);
 }
 
 template <typename T, Op op, bool kReduce, bool kLast>

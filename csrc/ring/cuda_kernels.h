@@ -9,6 +9,7 @@
 #include <string>
 #include <vector>
 
+#include "step.h"
 #include "types.h"
 
 namespace rr {
@@ -17,14 +18,7 @@ namespace cuda {
 // The most ranks one launch serves (the kernel's parameter block holds one task per rank).
 constexpr int kMaxRanks = 64;
 
-// One piece of a ring step: dst = combine(own, src) or dst = src for n elements. `own` left
-// null means dst itself (in place).
-struct Task {
-  void* dst;
-  const void* src;
-  int64_t n;
-  const void* own = nullptr;
-};
+using ::rr::Task;  // one piece of a ring step (step.h)
 
 // Launches one kernel that performs `ntasks` (<= kMaxRanks) tasks of one ring step on
 // `stream`, which belongs to the current device (all pointers must be reachable from it).

@@ -37,14 +37,6 @@ RR_HD int chunk_of(int64_t i, int64_t count, int nranks, int64_t esize) {
   return int(i / chunk_elems(count, nranks, esize));
 }
 
-// 16 bytes of elements, loaded and stored as one vector. Chunk boundaries are multiples of 16
-// bytes, so the lanes of one pack always belong to the same chunk.
-template <typename T>
-struct alignas(16) Pack {
-  static constexpr int kLanes = 16 / int(sizeof(T));
-  T lane[kLanes];
-};
-
 // Hop j (1 <= j < N) of a chunk's reduction: the rank that holds x combines the partial `acc`
 // arriving from its predecessor, exactly as the ring's reduce-scatter step does
 // (Reducer::step(mine = x, incoming = acc)); the last hop divides an average.

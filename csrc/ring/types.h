@@ -196,6 +196,15 @@ template <> RR_HD half_bits store_acc<half_bits>(float v) { return half_from_flo
 template <> RR_HD bf16_bits store_acc<bf16_bits>(float v) { return bf16_from_float(v); }
 template <> RR_HD bool_bits store_acc<bool_bits>(bool v) { return bool_bits{uint8_t(v ? 1 : 0)}; }
 
+// 16 bytes of elements, loaded and stored as one vector by the kernels (one-shot and ring
+// steps). Ring chunk boundaries are multiples of 16 bytes, so the lanes of one pack always
+// belong to the same chunk.
+template <typename T>
+struct alignas(16) Pack {
+  static constexpr int kLanes = 16 / int(sizeof(T));
+  T lane[kLanes];
+};
+
 // Integer sum and product wrap modulo 2^bits like torch's integer arithmetic; they go through
 // the unsigned type because signed overflow is undefined behaviour in C++.
 template <typename A> struct Wrap { static RR_HD A add(A a, A b) { return a + b; }

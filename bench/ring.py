@@ -368,8 +368,9 @@ def ringreduce_path(cfg: Config, size: int) -> str:
     rank holds at most RINGREDUCE_ONESHOT_BYTES, else the ring."""
     if cfg.device != "cuda":
         return "ring"
-    from ringreduce.core import _oneshot_bytes, _transport
-    if cfg.one_gpu and _transport() == "p2p" and size <= _oneshot_bytes():
+    from ringreduce.core import settings
+    s = settings()
+    if cfg.one_gpu and s["transport"] == "p2p" and size <= s["oneshot_max_bytes"]:
         return "oneshot"
     return "ring"
 

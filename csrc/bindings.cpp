@@ -2,6 +2,8 @@
 // modified, then hand raw pointers to the torch-free plans and executors in csrc/ring/.
 #include <torch/extension.h>
 
+#include <cerrno>
+#include <cstdlib>
 #include <optional>
 #include <string>
 #include <vector>
@@ -195,9 +197,38 @@ std::vector<at::Tensor> workspaces(const std::vector<at::Tensor>& inputs, int sk
   return work;
 }
 
-void check_transport(const std::string& fn, const std::string& transport) {
+// The environment's settings, read at every call with getenv (os.environ keeps the process
+// environment up to date, and reading it in Python costs microseconds a call).
+//   RINGREDUCE_TRANSPORT: "p2p" (kernels read the neighbour's memory where peer access allows;
+//     the default) or "copy" (every hop through cudaMemcpyPeerAsync, to test and measure that
+//     path on one GPU).
+//   RINGREDUCE_ONESHOT_BYTES: the largest tensor (bytes per rank) the one-shot kernel
+//     all-reduces when every rank runs on one CUDA stream; 0 turns it off.
+constexpr int64_t kOneshotDefaultBytes = 64 * 1024;
+
+const char* setting(const char* name) {
+  const char* v = std::getenv(name);
+  return v != nullptr && *v != '\0' ? v : nullptr;
+}
+
+std::string transport_setting(const std::string& fn) {
+  const char* v = setting("RINGREDUCE_TRANSPORT");
+  const std::string transport = v != nullptr ? v : "p2p";
   TORCH_CHECK_VALUE(transport == "p2p" || transport == "copy", fn, ": transport "
                     "(RINGREDUCE_TRANSPORT) must be 'p2p' or 'copy'; got '", transport, "'");
+  return transport;
+}
+
+int64_t oneshot_setting(const std::string& fn) {
+  const char* v = setting("RINGREDUCE_ONESHOT_BYTES");
+  if (v == nullptr) return kOneshotDefaultBytes;
+  char* end = nullptr;
+  errno = 0;
+  const long long bytes = std::strtoll(v, &end, 10);
+  TORCH_CHECK_VALUE(errno == 0 && end != v && *end == '\0' && bytes >= 0, fn,
+                    ": RINGREDUCE_ONESHOT_BYTES must be a whole number of bytes >= 0 (0 turns "
+                    "the one-shot path off); got '", v, "'");
+  return bytes;
 }
 
 // Runs a validated plan. `ranks` holds a tensor per rank (its device is the rank's device),
@@ -333,16 +364,14 @@ std::vector<at::Tensor> concat(std::vector<at::Tensor> a, const std::vector<at::
 
 // No outputs: in place. Otherwise outputs[r] may be tensors[r] itself (in place for that
 // rank) and must not overlap anything else.
-// oneshot_max_bytes: the largest tensor (bytes per rank) the one-shot kernel all-reduces when
-// every rank runs on one CUDA stream (RINGREDUCE_ONESHOT_BYTES; 0 turns it off).
 std::vector<std::string> all_reduce(const std::vector<at::Tensor>& tensors,
                                     const std::optional<std::vector<at::Tensor>>& outputs_arg,
-                                    const std::string& op_name, const Streams& streams,
-                                    const std::string& transport, int64_t oneshot_max_bytes) {
+                                    const std::string& op_name, const Streams& streams) {
   const std::string fn = "ringreduce.all_reduce";
   const bool in_place = !outputs_arg;
   const std::vector<at::Tensor> outputs = in_place ? std::vector<at::Tensor>() : *outputs_arg;
-  check_transport(fn, transport);
+  const std::string transport = transport_setting(fn);
+  const int64_t oneshot_max_bytes = oneshot_setting(fn);
   check_ranks(fn, "tensors", tensors, in_place);
   const rr::DType dtype = rr::dtype_of(tensors[0], fn, "tensors");
   const rr::Op op = rr::op_for(op_name, dtype, fn);
@@ -372,10 +401,9 @@ std::vector<std::string> all_reduce(const std::vector<at::Tensor>& tensors,
 
 std::vector<std::string> reduce(const std::vector<at::Tensor>& inputs,
                                 const std::optional<at::Tensor>& output_arg, int64_t root_arg,
-                                const std::string& op_name, const Streams& streams,
-                                const std::string& transport) {
+                                const std::string& op_name, const Streams& streams) {
   const std::string fn = "ringreduce.reduce";
-  check_transport(fn, transport);
+  const std::string transport = transport_setting(fn);
   check_ranks(fn, "inputs", inputs, false);
   const int root = check_root(fn, root_arg, inputs.size());
   const rr::DType dtype = rr::dtype_of(inputs[0], fn, "inputs");
@@ -405,9 +433,9 @@ std::vector<std::string> reduce(const std::vector<at::Tensor>& inputs,
 }
 
 std::vector<std::string> broadcast(const std::vector<at::Tensor>& tensors, int64_t root_arg,
-                                   const Streams& streams, const std::string& transport) {
+                                   const Streams& streams) {
   const std::string fn = "ringreduce.broadcast";
-  check_transport(fn, transport);
+  const std::string transport = transport_setting(fn);
   check_ranks(fn, "inputs", tensors, true);
   const int root = check_root(fn, root_arg, tensors.size());
   const rr::DType dtype = rr::dtype_of(tensors[0], fn, "inputs");
@@ -450,9 +478,9 @@ void check_block_disjoint(const std::string& fn, const std::vector<at::Tensor>& 
 
 std::vector<std::string> all_gather(const std::vector<at::Tensor>& inputs,
                                     const std::vector<at::Tensor>& outputs,
-                                    const Streams& streams, const std::string& transport) {
+                                    const Streams& streams) {
   const std::string fn = "ringreduce.all_gather";
-  check_transport(fn, transport);
+  const std::string transport = transport_setting(fn);
   check_ranks(fn, "inputs", inputs, false);
   const rr::DType dtype = rr::dtype_of(inputs[0], fn, "inputs");
   const int64_t count = inputs[0].numel();
@@ -471,10 +499,9 @@ std::vector<std::string> all_gather(const std::vector<at::Tensor>& inputs,
 
 std::vector<std::string> reduce_scatter(const std::vector<at::Tensor>& inputs,
                                         const std::vector<at::Tensor>& outputs,
-                                        const std::string& op_name, const Streams& streams,
-                                        const std::string& transport) {
+                                        const std::string& op_name, const Streams& streams) {
   const std::string fn = "ringreduce.reduce_scatter";
-  check_transport(fn, transport);
+  const std::string transport = transport_setting(fn);
   check_ranks(fn, "inputs", inputs, false);
   const rr::DType dtype = rr::dtype_of(inputs[0], fn, "inputs");
   const rr::Op op = rr::op_for(op_name, dtype, fn);
@@ -539,17 +566,23 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   // Each validates every argument before anything is modified and returns the neighbour pairs
   // staged without P2P.
   m.def("all_reduce", &all_reduce, pybind11::arg("tensors"), pybind11::arg("outputs"),
-        pybind11::arg("op"), pybind11::arg("streams"), pybind11::arg("transport"),
-        pybind11::arg("oneshot_max_bytes"));
+        pybind11::arg("op"), pybind11::arg("streams"));
   m.def("reduce", &reduce, pybind11::arg("inputs"), pybind11::arg("output"),
-        pybind11::arg("root"), pybind11::arg("op"), pybind11::arg("streams"),
-        pybind11::arg("transport"));
+        pybind11::arg("root"), pybind11::arg("op"), pybind11::arg("streams"));
   m.def("broadcast", &broadcast, pybind11::arg("inputs"), pybind11::arg("root"),
-        pybind11::arg("streams"), pybind11::arg("transport"));
+        pybind11::arg("streams"));
   m.def("all_gather", &all_gather, pybind11::arg("inputs"), pybind11::arg("outputs"),
-        pybind11::arg("streams"), pybind11::arg("transport"));
+        pybind11::arg("streams"));
   m.def("reduce_scatter", &reduce_scatter, pybind11::arg("inputs"), pybind11::arg("outputs"),
-        pybind11::arg("op"), pybind11::arg("streams"), pybind11::arg("transport"));
+        pybind11::arg("op"), pybind11::arg("streams"));
+  // The environment's settings as the next call would read them (raises on bad values).
+  m.def("settings", [] {
+    pybind11::dict d;
+    d["transport"] = transport_setting("ringreduce.settings");
+    d["oneshot_max_bytes"] = oneshot_setting("ringreduce.settings");
+    return d;
+  });
+  m.attr("ONESHOT_DEFAULT_BYTES") = kOneshotDefaultBytes;
   m.def("build_info", &build_info);
   m.def("peer_access", &peer_access);
 }

@@ -2,13 +2,13 @@
 __version__ = "0.1.0"
 
 from .core import (OPS, SUPPORTED_DTYPES, all_gather, all_reduce, broadcast, build_info,
-                   parse_op, peer_access, reduce, reduce_scatter)
+                   parse_op, peer_access, reduce, reduce_scatter, settings)
 from . import comm
 from .parallel import DataParallel, data_parallel
 from .distributed import register_backend
 
 __all__ = ["all_reduce", "reduce", "broadcast", "all_gather", "reduce_scatter", "parse_op",
-           "build_info", "peer_access", "OPS", "SUPPORTED_DTYPES", "register_backend",
+           "build_info", "peer_access", "settings", "OPS", "SUPPORTED_DTYPES", "register_backend",
            "comm", "DataParallel", "data_parallel", "__version__"]
 
 # The "ringreduce" torch.distributed backend (devices cpu and cuda). Importing

@@ -2,7 +2,6 @@
 signatures of ``torch.cuda.nccl`` (``all_reduce``, ``reduce``, ``broadcast``, ``all_gather``,
 ``reduce_scatter``)."""
 import operator
-import os
 import warnings
 
 import torch
@@ -17,7 +16,7 @@ except ImportError as exc:  # pragma: no cover - only without a build
     ) from exc
 
 __all__ = ["all_reduce", "reduce", "broadcast", "all_gather", "reduce_scatter", "parse_op",
-           "build_info", "peer_access", "OPS", "SUPPORTED_DTYPES"]
+           "build_info", "peer_access", "settings", "OPS", "SUPPORTED_DTYPES"]
 
 OPS = ("sum", "avg", "max", "min", "prod", "band", "bor", "bxor")
 
@@ -93,28 +92,17 @@ def _root(fn, root):
             f"ringreduce.{fn}: root must be an int rank; got {type(root).__name__}") from None
 
 
-def _transport():
-    return os.environ.get("RINGREDUCE_TRANSPORT", "p2p")
-
-
 # Predicted, not yet measured: on one stream of one GPU the one-shot kernel moves fewer bytes
 # than the ring (2*N*S against 5*S*(N-1)) in one launch instead of 2(N-1), so it should win at
 # every size; it is kept to small messages until bench/ring.py on a GPU says where it wins.
-ONESHOT_DEFAULT_BYTES = 64 * 1024
+ONESHOT_DEFAULT_BYTES = _C.ONESHOT_DEFAULT_BYTES
 
 
-def _oneshot_bytes():
-    text = os.environ.get("RINGREDUCE_ONESHOT_BYTES")
-    if text is None or text == "":
-        return ONESHOT_DEFAULT_BYTES
-    try:
-        value = int(text)
-    except ValueError:
-        value = -1
-    if value < 0:
-        raise ValueError("ringreduce: RINGREDUCE_ONESHOT_BYTES must be a whole number of bytes "
-                         f">= 0 (0 turns the one-shot path off); got {text!r}")
-    return value
+def settings():
+    """The environment's settings as the next call reads them: ``transport``
+    (``RINGREDUCE_TRANSPORT``, default ``p2p``) and ``oneshot_max_bytes``
+    (``RINGREDUCE_ONESHOT_BYTES``, default 65536). Raises ValueError on a bad value."""
+    return dict(_C.settings())
 
 
 def _warn_staged(staged):
@@ -158,7 +146,7 @@ def all_reduce(tensors, op="sum", *, outputs=None, streams=None, comms=None):
     outputs_list = None if outputs is None else _tensor_list("all_reduce", "outputs", outputs)
     _no_comms("all_reduce", comms)
     _warn_staged(_C.all_reduce(tensors_list, outputs_list, parse_op(op),
-                               _streams("all_reduce", streams), _transport(), _oneshot_bytes()))
+                               _streams("all_reduce", streams)))
     return tensors if outputs is None else outputs
 
 
@@ -178,7 +166,7 @@ def reduce(inputs, output=None, root=0, op="sum", streams=None, comms=None):
     root = _root("reduce", root)
     _no_comms("reduce", comms)
     _warn_staged(_C.reduce(inputs_list, output, root, parse_op(op),
-                           _streams("reduce", streams), _transport()))
+                           _streams("reduce", streams)))
     return inputs_list[root] if output is None else output
 
 
@@ -188,8 +176,7 @@ def broadcast(inputs, root=0, streams=None, comms=None):
     inputs_list = _tensor_list("broadcast", "inputs", inputs)
     root = _root("broadcast", root)
     _no_comms("broadcast", comms)
-    _warn_staged(_C.broadcast(inputs_list, root, _streams("broadcast", streams),
-                              _transport()))
+    _warn_staged(_C.broadcast(inputs_list, root, _streams("broadcast", streams)))
     return inputs
 
 
@@ -201,8 +188,7 @@ def all_gather(inputs, outputs, streams=None, comms=None):
     inputs_list = _tensor_list("all_gather", "inputs", inputs)
     outputs_list = _tensor_list("all_gather", "outputs", outputs)
     _no_comms("all_gather", comms)
-    _warn_staged(_C.all_gather(inputs_list, outputs_list,
-                               _streams("all_gather", streams), _transport()))
+    _warn_staged(_C.all_gather(inputs_list, outputs_list, _streams("all_gather", streams)))
     return outputs
 
 
@@ -215,8 +201,7 @@ def reduce_scatter(inputs, outputs, op="sum", streams=None, comms=None):
     outputs_list = _tensor_list("reduce_scatter", "outputs", outputs)
     _no_comms("reduce_scatter", comms)
     _warn_staged(_C.reduce_scatter(inputs_list, outputs_list, parse_op(op),
-                                   _streams("reduce_scatter", streams),
-                                   _transport()))
+                                   _streams("reduce_scatter", streams)))
     return outputs
 
 

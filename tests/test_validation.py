@@ -367,3 +367,18 @@ def test_bad_oneshot_threshold(value, monkeypatch):
     monkeypatch.setenv("RINGREDUCE_ONESHOT_BYTES", value)
     _raises_untouched(lambda: ringreduce.all_reduce(ins), ins, ValueError,
                       "RINGREDUCE_ONESHOT_BYTES must be a whole number of bytes >= 0")
+
+
+def test_settings_follow_the_environment_at_each_call(monkeypatch):
+    monkeypatch.delenv("RINGREDUCE_TRANSPORT", raising=False)
+    monkeypatch.delenv("RINGREDUCE_ONESHOT_BYTES", raising=False)
+    assert ringreduce.settings() == {"transport": "p2p",
+                                     "oneshot_max_bytes": ringreduce.core.ONESHOT_DEFAULT_BYTES}
+    monkeypatch.setenv("RINGREDUCE_TRANSPORT", "copy")
+    monkeypatch.setenv("RINGREDUCE_ONESHOT_BYTES", "0")
+    assert ringreduce.settings() == {"transport": "copy", "oneshot_max_bytes": 0}
+    monkeypatch.setenv("RINGREDUCE_TRANSPORT", "")  # empty is unset
+    assert ringreduce.settings()["transport"] == "p2p"
+    monkeypatch.setenv("RINGREDUCE_TRANSPORT", "ib")
+    with pytest.raises(ValueError, match="RINGREDUCE_TRANSPORT"):
+        ringreduce.settings()

@@ -19,6 +19,7 @@
 #include <string>
 #include <vector>
 
+#include "driver_buffers.h"
 #include "ring/cpu_executor.h"
 #include "ring/oneshot.h"
 
@@ -32,16 +33,6 @@ const Op kOps[] = {Op::Sum, Op::Avg, Op::Max, Op::Min, Op::Prod, Op::BAnd, Op::B
 const int kRanks[] = {1, 2, 3, 4, 5, 6, 7, 8, 9, 16, 64};
 const int64_t kSizes[] = {0, 1, 2, 3, 7, 8, 15, 16, 17, 31, 33, 63, 64, 65, 127, 129, 1000, 4099};
 const int64_t kThreads[] = {1, 7, 64, 1000};
-
-// `count` elements starting `offset` bytes past a 16-byte boundary.
-struct Buf {
-  std::vector<uint8_t> storage;
-  uint8_t* data;
-  Buf(int64_t bytes, int64_t offset) : storage(size_t(bytes + offset + 16), 0xA5) {
-    const uintptr_t base = reinterpret_cast<uintptr_t>(storage.data());
-    data = storage.data() + ((16 - base % 16) % 16) + offset;
-  }
-};
 
 struct Values {
   std::mt19937_64 rng;

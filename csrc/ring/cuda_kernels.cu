@@ -17,6 +17,7 @@
 #include <map>
 #include <mutex>
 #include <stdexcept>
+#include <tuple>
 
 #include "cuda_check.h"
 
@@ -58,17 +59,17 @@ int sm_count(int device) {
   return v;
 }
 
-int blocks_per_sm(const void* fn, int device) {
+int blocks_per_sm(const void* fn, int threads, int device) {
   static std::mutex mu;
-  static std::map<std::pair<const void*, int>, int> cache;
+  static std::map<std::tuple<const void*, int, int>, int> cache;
   std::lock_guard<std::mutex> lock(mu);
-  auto it = cache.find({fn, device});
+  auto it = cache.find({fn, threads, device});
   if (it != cache.end()) return it->second;
   int n = 0;
-  RR_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, fn, kThreads, 0),
+  RR_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, fn, threads, 0),
                 "computing the occupancy of a ring kernel on cuda:" + std::to_string(device));
   n = std::max(n, 1);
-  cache[{fn, device}] = n;
+  cache[{fn, threads, device}] = n;
   return n;
 }
 
@@ -103,12 +104,16 @@ void launch_step(const Task* tasks, int ntasks, DType dtype, Op op, bool reduce,
   // One full wave of resident blocks across all tasks of the launch fills the chip; how many
   // fit per SM depends on each instantiation's registers (29-50 on sm_90 per ptxas -v).
   const int64_t cap =
-      std::max<int64_t>(1, int64_t(blocks_per_sm(fn, device)) * sm_count(device) / ntasks);
+      std::max<int64_t>(1, resident_blocks(fn, kThreads, device) / ntasks);
   const dim3 grid(unsigned(std::min(std::max<int64_t>(want, 1), cap)), unsigned(ntasks));
   void* args[] = {&p};
   RR_CUDA_CHECK(cudaLaunchKernel(fn, grid, dim3(kThreads), args, 0, stream),
                 std::string("launching the ") + (reduce ? "reduce" : "copy") + " kernel for " +
                     dtype_name(dtype) + " " + op_name(op) + " on cuda:" + std::to_string(device));
+}
+
+int64_t resident_blocks(const void* fn, int threads, int device) {
+  return int64_t(blocks_per_sm(fn, threads, device)) * sm_count(device);
 }
 
 void check_device_supported(int device) {

@@ -27,6 +27,12 @@ using ::rr::Task;  // one piece of a ring step (step.h)
 void launch_step(const Task* tasks, int ntasks, DType dtype, Op op, bool reduce, bool last,
                  int nranks, cudaStream_t stream);
 
+// How many blocks of kernel `fn`, launched with `threads` threads a block and no dynamic shared
+// memory, `device` holds at once: SMs x the occupancy calculation's blocks per SM (at least 1).
+// Cached per kernel, block size and device. A grid this size is one wave; a cooperative launch
+// may not exceed it.
+int64_t resident_blocks(const void* fn, int threads, int device);
+
 // Throws if this build has no kernel image that can run on `device`.
 void check_device_supported(int device);
 

@@ -1,5 +1,6 @@
 // The ring schedule: which chunk each rank receives, reduces and forwards at each step.
-// Pure arithmetic, shared by every executor. Torch-free.
+// Pure arithmetic, shared by every executor. Torch-free; host and device code (RR_HD), so the
+// kernels that run the whole schedule (oneshot.h, fused.h) use these very functions.
 //
 // N ranks, `count` elements each, split into N chunks. Chunk boundaries are multiples of
 // 16 bytes so every chunk of a 16-byte-aligned buffer can be moved with 16-byte vectors; the
@@ -38,19 +39,18 @@ struct Step {
   bool last_reduce;  // the final reduce-scatter hop of this chunk (avg divides here)
 };
 
-inline int mod(int64_t a, int n) { return int(((a % n) + n) % n); }
+RR_HD int mod(int64_t a, int n) { return int(((a % n) + n) % n); }
 
-inline int64_t num_steps(int nranks) { return nranks > 1 ? 2 * int64_t(nranks - 1) : 0; }
+RR_HD int64_t num_steps(int nranks) { return nranks > 1 ? 2 * int64_t(nranks - 1) : 0; }
 
-// Elements per chunk (all but the tail), a multiple of 16 bytes' worth of elements. Host and
-// device: the one-shot kernel (oneshot.h) finds each element's chunk from it.
+// Elements per chunk (all but the tail), a multiple of 16 bytes' worth of elements.
 RR_HD int64_t chunk_elems(int64_t count, int nranks, int64_t elem_size) {
   const int64_t align = elem_size >= 16 ? 1 : 16 / elem_size;
   int64_t per = (count + nranks - 1) / nranks;
   return (per + align - 1) / align * align;
 }
 
-inline Range chunk_range(int64_t count, int nranks, int64_t elem_size, int chunk) {
+RR_HD Range chunk_range(int64_t count, int nranks, int64_t elem_size, int chunk) {
   const int64_t per = chunk_elems(count, nranks, elem_size);
   int64_t begin = per * chunk;
   if (begin > count) begin = count;
@@ -71,7 +71,7 @@ inline int64_t chunk_piece(int64_t count, int nranks, int64_t elem_size, int chu
   return hi - lo;
 }
 
-inline Step ring_step(int rank, int nranks, int64_t step, int shift = 0) {
+RR_HD Step ring_step(int rank, int nranks, int64_t step, int shift = 0) {
   Step s;
   s.src_rank = mod(rank - 1, nranks);
   if (step < nranks - 1) {

@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "ring/cpu_executor.h"
+#include "ring/fused.h"
 #include "ring/plan.h"
 #include "ring/types.h"
 #include "torch_types.h"
@@ -20,6 +21,7 @@
 #include <c10/cuda/CUDAStream.h>
 
 #include "ring/cuda_executor.h"
+#include "ring/fused_cuda.h"
 #include "ring/oneshot_cuda.h"
 #endif
 
@@ -525,6 +527,58 @@ std::vector<std::string> reduce_scatter(const std::vector<at::Tensor>& inputs,
                  streams, transport);
 }
 
+// Test and measurement hook for the fused ring kernel (fused_cuda.h), not yet a path of
+// all_reduce: in-place all-reduce of `tensors` (one CUDA device, contiguous, same dtype and size)
+// on the device's current stream with `blocks_per_rank` blocks a rank (0: the suggested count),
+// the caller's zeroed uint8 `flags` tensor on that device and an `epoch` greater than every
+// earlier one on it. Synchronises and raises if the kernel reported a failure. Returns the
+// blocks per rank it used.
+int64_t fused_all_reduce(const std::vector<at::Tensor>& tensors, const std::string& op_name,
+                         int64_t blocks_per_rank, const at::Tensor& flags, int64_t epoch,
+                         double timeout_s) {
+  const std::string fn = "ringreduce._C.fused_all_reduce";
+  check_ranks(fn, "tensors", tensors, true);
+  const rr::DType dtype = rr::dtype_of(tensors[0], fn, "tensors");
+  const rr::Op op = rr::op_for(op_name, dtype, fn);
+  TORCH_CHECK_VALUE(tensors[0].is_cuda(), fn, ": needs CUDA tensors");
+  for (const at::Tensor& t : tensors) {
+    TORCH_CHECK_VALUE(t.device() == tensors[0].device(), fn, ": every tensor must be on ",
+                      tensors[0].device(), " (ranks on one GPU); got ", t.device());
+  }
+  TORCH_CHECK_VALUE(flags.device() == tensors[0].device() && flags.scalar_type() == at::kByte &&
+                    flags.is_contiguous(), fn, ": flags must be a contiguous uint8 tensor on ",
+                    tensors[0].device());
+  TORCH_CHECK_VALUE(epoch >= 1, fn, ": epoch must be >= 1; got ", epoch);
+  TORCH_CHECK_VALUE(timeout_s > 0, fn, ": timeout_s must be > 0; got ", timeout_s);
+#ifdef RINGREDUCE_WITH_CUDA
+  c10::cuda::CUDAGuard guard(tensors[0].device());
+  const int nranks = int(tensors.size());
+  const int64_t count = tensors[0].numel();
+  const int blocks = blocks_per_rank > 0
+                         ? int(blocks_per_rank)
+                         : rr::cuda::fused_blocks_per_rank(nranks, count, dtype, op);
+  TORCH_CHECK_VALUE(flags.numel() >= rr::fused_flags_bytes(nranks, blocks), fn, ": flags holds ",
+                    flags.numel(), " bytes; ", nranks, " ranks x ", blocks, " blocks need ",
+                    rr::fused_flags_bytes(nranks, blocks));
+  const std::vector<void*> ptrs = pointers(tensors);
+  std::vector<const void*> in(ptrs.begin(), ptrs.end());
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream().stream();
+  try {
+    rr::cuda::launch_fused_all_reduce(in.data(), ptrs.data(), nranks, count, dtype, op, blocks,
+                                      flags.data_ptr(), flags.numel(), uint64_t(epoch), stream,
+                                      uint64_t(timeout_s * 1e9));
+  } catch (const std::invalid_argument& e) {
+    TORCH_CHECK_VALUE(false, fn, ": ", e.what());
+  }
+  rr::cuda::check_fused_all_reduce(flags.data_ptr(), uint64_t(epoch), stream);
+  bump_versions(tensors);
+  return blocks;
+#else
+  TORCH_CHECK(false, fn, ": this build has no CUDA support");
+  return 0;
+#endif
+}
+
 pybind11::dict build_info() {
   pybind11::dict info;
 #ifdef RINGREDUCE_WITH_CUDA
@@ -583,6 +637,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     return d;
   });
   m.attr("ONESHOT_DEFAULT_BYTES") = kOneshotDefaultBytes;
+  m.def("fused_all_reduce", &fused_all_reduce, pybind11::arg("tensors"), pybind11::arg("op"),
+        pybind11::arg("blocks_per_rank"), pybind11::arg("flags"), pybind11::arg("epoch"),
+        pybind11::arg("timeout_s") = 10.0);
+  m.def("fused_flags_bytes", &rr::fused_flags_bytes);
   m.def("build_info", &build_info);
   m.def("peer_access", &peer_access);
 }

@@ -308,3 +308,46 @@ def test_collectives_reject_outputs_on_another_device_before_modification():
         ringreduce.all_gather(a, outs)
     for t, b in zip(a, before):
         assert torch.equal(t, b)
+
+
+# The fused ring kernel (csrc/ring/fused_cuda.h) through its test hook: not yet a path of
+# all_reduce; these runs decide whether it becomes one.
+FUSED_CASES = [(torch.float32, "sum"), (torch.float16, "avg"), (torch.bfloat16, "max"),
+               (torch.int32, "sum"), (torch.int8, "bxor"), (torch.float64, "prod")]
+
+
+@pytest.mark.parametrize("dtype,op", FUSED_CASES, ids=lambda v: str(v).replace("torch.", ""))
+@pytest.mark.parametrize("nranks", [2, 3, 4, 8])
+def test_fused_kernel_gives_the_ring_bits(dtype, op, nranks):
+    """Several calls on one flag buffer (epochs 1, 2, ...), block counts 1, 2 and the
+    suggested one, sizes around the chunking: the ring model's bits on every rank."""
+    from ringreduce import _C
+    flags = torch.zeros(_C.fused_flags_bytes(nranks, 64), dtype=torch.uint8, device="cuda")
+    g = torch.Generator().manual_seed(nranks * 97 + len(op))
+    epoch = 0
+    for count in (1, 7, 33, 4099, (1 << 18) + 5):
+        for blocks in (1, 2, 0):
+            inputs = random_inputs(nranks, count, dtype, op, generator=g)
+            tensors = [x.cuda() for x in inputs]
+            epoch += 1
+            _C.fused_all_reduce(tensors, op, blocks, flags, epoch)
+            want = ring_model(inputs, op).view(torch.uint8)
+            for r, t in enumerate(tensors):
+                assert torch.equal(t.cpu().view(torch.uint8), want), (count, blocks, r)
+
+
+def test_fused_kernel_refuses_too_many_blocks_and_stale_epochs():
+    from ringreduce import _C
+    tensors = [torch.full((4099,), float(r), device="cuda") for r in range(4)]
+    before = [t.clone() for t in tensors]
+    flags = torch.zeros(_C.fused_flags_bytes(4, 1 << 14), dtype=torch.uint8, device="cuda")
+    with pytest.raises(ValueError):
+        _C.fused_all_reduce(tensors, "sum", 1 << 14, flags, 1)
+    for t, b in zip(tensors, before):
+        assert torch.equal(t, b)
+    _C.fused_all_reduce(tensors, "sum", 1, flags, 5)
+    assert torch.equal(tensors[0], torch.full_like(tensors[0], 6.0))
+    with pytest.raises(RuntimeError, match="epoch"):
+        _C.fused_all_reduce(tensors, "sum", 1, flags, 5)  # reused
+    _C.fused_all_reduce([t.fill_(1.0) for t in tensors], "sum", 1, flags, 6)
+    assert torch.equal(tensors[3], torch.full_like(tensors[3], 4.0))

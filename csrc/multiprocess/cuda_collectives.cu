@@ -426,6 +426,21 @@ void wait_for_readers(HostGroup& g, Peers& p, const Ctx& ctx, uint64_t base,
   }
 }
 
+// The end of a one-shot round in slot `s`: this rank's reads of the peers' slots are done (own
+// event 1, step base + 2); if other ranks read this rank's slot (`readers`), its stream waits for
+// them before the slot is released; then the round closes (base + 3).
+void end_round(HostGroup& g, Peers& p, const Ctx& ctx, uint64_t base, int s,
+               const std::vector<int>& readers, cudaStream_t stream) {
+  RR_CUDA_CHECK(cudaEventRecord(p.own(1), stream), "marking this rank's reads done");
+  g.publish(base + 2);
+  if (!readers.empty()) {
+    wait_for_readers(g, p, ctx, base, readers, stream);
+    p.release(s, stream);
+  }
+  g.publish(base + 3);
+  g.end_phase(3);
+}
+
 // Runs a collective's body on the rank's device inside guarded(), then joins the copy stream
 // into `stream` and records the collective's end there, also when it failed part-way (the
 // waits on peer events it queued must be tracked).
@@ -561,14 +576,7 @@ void broadcast(HostGroup& g, Peers& p, void* data, int64_t bytes, int root, cuda
           copy_all({Copy{user + off, p.slot(root, s), len}}, stream, "copying from the root");
         }
       }
-      RR_CUDA_CHECK(cudaEventRecord(p.own(1), stream), "marking this rank's reads done");
-      g.publish(base + 2);
-      if (rank == root) {
-        wait_for_readers(g, p, ctx, base, others(g), stream);
-        p.release(s, stream);
-      }
-      g.publish(base + 3);
-      g.end_phase(3);
+      end_round(g, p, ctx, base, s, rank == root ? others(g) : std::vector<int>(), stream);
     }
   });
 }
@@ -610,12 +618,7 @@ void all_gather(HostGroup& g, Peers& p, const void* in, void* const* outs, int64
         copy_all({Copy{static_cast<char*>(outs[q]) + off, p.slot(q, s), len}}, stream,
                  "copying " + rank_text(q) + "'s input");
       }
-      RR_CUDA_CHECK(cudaEventRecord(p.own(1), stream), "marking this rank's reads done");
-      g.publish(base + 2);
-      wait_for_readers(g, p, ctx, base, others(g), stream);
-      p.release(s, stream);
-      g.publish(base + 3);
-      g.end_phase(3);
+      end_round(g, p, ctx, base, s, others(g), stream);
     }
   });
 }
@@ -672,12 +675,7 @@ void reduce_scatter(HostGroup& g, Peers& p, const void* in, void* out, int64_t c
           ::rr::cuda::launch_step(&t, 1, dtype, op, true, q == n - 1, n, stream);
         }
       }
-      RR_CUDA_CHECK(cudaEventRecord(p.own(1), stream), "marking this rank's reads done");
-      g.publish(base + 2);
-      wait_for_readers(g, p, ctx, base, others(g), stream);
-      p.release(s, stream);
-      g.publish(base + 3);
-      g.end_phase(3);
+      end_round(g, p, ctx, base, s, others(g), stream);
     }
   });
 }

@@ -157,7 +157,7 @@ class _InterHostBytes:
     def _counted(self):
         from ringreduce import hierarchy
         pg = self.dist.group.WORLD
-        return hierarchy.inter_host_bytes(pg) if hasattr(pg, "_comm") else None
+        return hierarchy.inter_host_bytes(pg) if self.dist.get_backend(pg) == "ringreduce" else None
 
     def start(self):
         ports = [None] * self.world

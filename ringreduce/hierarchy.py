@@ -274,7 +274,7 @@ class _Unusable(RuntimeError):
 
 
 class HierarchicalComm:
-    """What RingReduceProcessGroup calls its `_comm` when the group spans several hosts: the
+    """The executor of a ringreduce group (distributed.comm_of) when the group spans several hosts: the
     same methods as the single-host `_dist_C.Comm` (check, all_reduce, reduce_scatter,
     all_gather, broadcast, barrier, gather, scatter, all_to_all, fail, abort, close,
     set_timeout, closed; point-to-point through p2p_start/p2p_wait instead of the
@@ -746,5 +746,7 @@ class FlatHostsComm:
 def inter_host_bytes(group):
     """Bytes this rank has handed to the inter-host engine (hierarchical), or sent over ring
     hops that cross a host boundary (RINGREDUCE_HIERARCHICAL=0); None on one host."""
-    stats = getattr(group._comm, "stats", None)
+    from .distributed import comm_of
+
+    stats = getattr(comm_of(group), "stats", None)
     return None if stats is None else stats["inter_host_bytes"]

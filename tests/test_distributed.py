@@ -103,7 +103,7 @@ SIZES = (0, 1, 7, 33, 1000, 4099)
 def _collectives_sweep(rank, world, store, device):
     init(rank, world, store)
     pg = dist.group.WORLD
-    assert pg.getBackendName() == "ringreduce", pg.getBackendName()
+    assert dist.get_backend(pg) == "ringreduce", dist.get_backend(pg)
     leftover = [n for n in _shm_names() if n.endswith(f"-r{rank}") and f"-{os.getpid()}-" in n]
     assert not leftover, f"segment still linked after init: {leftover}"
     checked = 0
@@ -209,8 +209,9 @@ def _collectives_sweep(rank, world, store, device):
     work = dist.all_reduce(torch.ones(3, device=device), async_op=True)
     work.wait()
     dist.barrier()
+    comm = ringreduce.distributed.comm_of(pg)
     dist.destroy_process_group()
-    assert pg._comm.closed
+    assert comm.closed
     return checked
 
 
@@ -319,24 +320,29 @@ def _api_surface(rank, world, store):
     t = torch.full((5,), float(rank + 1))
     dist.all_reduce(t)
     assert torch.equal(t, torch.full((5,), 3.0))
-    assert isinstance(dist.group.WORLD, ringreduce.distributed.RingReduceProcessGroup)
+    # torch binds each device to its backend: CPU tensors went to gloo.
+    world_pg = dist.group.WORLD
+    assert world_pg._get_backend(torch.device("cpu")).name() == "gloo"
+    assert world_pg._get_backend(torch.device("cuda")).name() == "ringreduce"
+    g = dist.new_group(backend="ringreduce")
     errors = {}
     got = torch.zeros(1)
     gathered = [torch.zeros(1) for _ in range(world)]
     swapped = torch.zeros(2)
     for name, call in (
-            ("send", lambda: dist.send(torch.full((1,), 5.0), dst=1) if rank == 0 else
-             dist.recv(got, src=0)),
+            ("send", lambda: dist.send(torch.full((1,), 5.0), dst=1, group=g) if rank == 0 else
+             dist.recv(got, src=0, group=g)),
             ("gather", lambda: dist.gather(torch.full((1,), rank + 1.0), gathered
-                                           if rank == 0 else None, dst=0)),
+                                           if rank == 0 else None, dst=0, group=g)),
             ("all_to_all_single", lambda: dist.all_to_all_single(
-                swapped, torch.tensor([1.0, 2.0]) + 10 * rank)),
-            ("monitored_barrier", lambda: dist.monitored_barrier()),
+                swapped, torch.tensor([1.0, 2.0]) + 10 * rank, group=g)),
+            ("monitored_barrier", lambda: dist.monitored_barrier(group=g)),
             ("PREMUL_SUM", lambda: dist.all_reduce(
-                torch.ones(2), op=dist._make_nccl_premul_sum(2.0))),
-            ("band on float", lambda: dist.all_reduce(torch.ones(2), op=dist.ReduceOp.BAND)),
+                torch.ones(2), op=dist._make_nccl_premul_sum(2.0), group=g)),
+            ("band on float", lambda: dist.all_reduce(torch.ones(2), op=dist.ReduceOp.BAND,
+                                                      group=g)),
             ("avg on bool", lambda: dist.all_reduce(torch.ones(2, dtype=torch.bool),
-                                                    op=dist.ReduceOp.AVG))):
+                                                    op=dist.ReduceOp.AVG, group=g))):
         try:
             call()
             errors[name] = None
@@ -344,7 +350,7 @@ def _api_surface(rank, world, store):
             errors[name] = f"{type(exc).__name__}: {exc}"
     # Bad arguments are caught before any rank communicates, so the group still works.
     t = torch.ones(3)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=g)
     dist.destroy_process_group()
     results = {"recv": got.tolist(), "all_to_all_single": swapped.tolist(),
                "gather": [g.item() for g in gathered]}
@@ -492,8 +498,9 @@ def _abort_while_waiting(rank, world, store):
     timer.start()
     result = _timed_all_reduce(t)
     timer.join()
+    comm = ringreduce.distributed.comm_of(pg)
     dist.destroy_process_group()
-    assert pg._comm.closed
+    assert comm.closed
     return result
 
 

@@ -64,7 +64,7 @@ def _sweep(rank, world, store):
                 assert torch.equal(got, core[0].cpu()), f"{dtype} {op} n={count}: differs from core"
                 assert torch.equal(got, ring_model(inputs, op)), f"{dtype} {op} n={count}"
                 checked += 1
-    assert pg._comm.cuda_distinct_gpus() is False, "every rank is on cuda:0: the GPU is shared"
+    assert ringreduce.distributed.comm_of(pg).cuda_distinct_gpus() is False, "every rank is on cuda:0: the GPU is shared"
 
     for dtype in (torch.float32, torch.int8, torch.float64):
         for root in range(world):

@@ -90,23 +90,22 @@ class _SlowBackward(torch.autograd.Function):
 
 
 def _ddp_overlap(rank, world, store):
-    from ringreduce.distributed import RingReduceProcessGroup
-
     init(rank, world, store)
     log = {"inside": [], "done": []}
-    original = RingReduceProcessGroup.allreduce
 
-    def timed(self, *args):
+    def timed(_, bucket):
+        # DDP's default all-reduce, timed: how long backward spends inside the call.
         start = time.monotonic()
-        work = original(self, *args)
+        work = dist.all_reduce(bucket.buffer(), async_op=True)
         log["inside"].append(time.monotonic() - start)
-        work.get_future().then(lambda _: log["done"].append(time.monotonic()))
-        return work
+        fut = work.get_future()
+        fut.then(lambda _: log["done"].append(time.monotonic()))
+        return fut.then(lambda f: f.value()[0].div_(world))
 
-    RingReduceProcessGroup.allreduce = timed
     torch.manual_seed(0)
     body = torch.nn.Sequential(*[torch.nn.Linear(64, 64) for _ in range(6)])
     ddp = torch.nn.parallel.DistributedDataParallel(body, bucket_cap_mb=0.01)
+    ddp.register_comm_hook(None, timed)
     x = torch.randn(16, 64, generator=torch.Generator().manual_seed(rank))
     results = []
     for step in range(3):
@@ -124,7 +123,6 @@ def _ddp_overlap(rank, world, store):
     grads = [p.grad.clone() for p in body.parameters()]
     everyone = [None] * world
     dist.all_gather_object(everyone, [g.double().sum().item() for g in grads])
-    RingReduceProcessGroup.allreduce = original
     dist.destroy_process_group()
     return results, everyone
 
@@ -160,27 +158,15 @@ def _wait_each(works):
     return out
 
 
-class _FailingComm:
-    """Wraps the C++ Comm; all_reduce raises as a failure inside the engine would."""
-
-    def __init__(self, comm):
-        self._comm = comm
-
-    def all_reduce(self, tensor, op):
-        raise RuntimeError("injected failure in the progress thread")
-
-    def __getattr__(self, name):
-        return getattr(self._comm, name)
-
-
 def _engine_error(rank, world, store):
     init(rank, world, store, timeout=60.0)
-    pg = dist.group.WORLD
     dist.all_reduce(torch.ones(4))
-    if rank == 0:
-        pg._comm = _FailingComm(pg._comm)
+    # The first collective fails inside the engine: the ranks disagree on its size, which the
+    # executor finds once both have started it (the arguments themselves are valid).
     start = time.monotonic()
-    errors = _wait_each([dist.all_reduce(torch.ones(4), async_op=True) for _ in range(3)])
+    works = [dist.all_reduce(torch.ones(4 + rank), async_op=True)]
+    works += [dist.all_reduce(torch.ones(4), async_op=True) for _ in range(2)]
+    errors = _wait_each(works)
     elapsed = time.monotonic() - start
     try:
         dist.broadcast(torch.ones(2), src=0)
@@ -194,10 +180,9 @@ def _engine_error(rank, world, store):
 
 def test_error_in_engine_fails_the_group_and_peers_fast(tmp_path):
     (e0, t0, s0), (e1, t1, s1) = values(run_ranks(_engine_error, 2, tmp_path))
-    assert "injected failure" in e0[0], e0
-    assert all(e and "failed earlier" in e for e in e0[1:]), e0
-    assert e1[0] and "rank 0" in e1[0] and "injected failure" in e1[0], e1
-    assert all(e and "failed earlier" in e for e in e1[1:]), e1
+    for errors in (e0, e1):
+        assert errors[0] and "disagree" in errors[0], errors
+        assert all(e and "failed earlier" in e for e in errors[1:]), errors
     assert t0 < 5.0 and t1 < 5.0, f"took {t0:.1f} / {t1:.1f} s with a 60 s timeout"
     assert s0 < 5.0 and s1 < 5.0
 
@@ -354,5 +339,5 @@ def test_group_names_device_mesh_and_functional_collectives(tmp_path):
         assert all(isinstance(n, str) and n for n in names) and names[0] != names[1], names
         assert desc == "mine"
         assert value == [3.0] * 4 and value2 == [1.0, 1.0]
-        assert mesh_type == "RingReduceProcessGroup"
+        assert mesh_type == "ProcessGroup"
     assert out[0][0] == out[1][0], "ranks disagree on group names"

@@ -20,6 +20,7 @@ import torch.distributed as dist
 
 from reference import ALL_DTYPES, _combine, assert_close_to_wide, random_inputs, valid_ops
 from ringreduce import hierarchy
+from ringreduce.distributed import comm_of
 from test_distributed import init, run_ranks, values
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -117,8 +118,8 @@ def _two_hosts(rank, world, store, hosts):
     os.environ["RINGREDUCE_HOST_ID"] = "ab"[rank // 2]
     init(rank, world, store)
     pg = dist.group.WORLD
-    out = {"pid": os.getpid(), "segments": _mapped_segments(), "layout": pg._comm.layout.hosts,
-           "host": pg._comm.layout.host}
+    out = {"pid": os.getpid(), "segments": _mapped_segments(), "layout": comm_of(pg).layout.hosts,
+           "host": comm_of(pg).layout.host}
     # Shards over 64 KiB go through the engine's all-to-all (and, for 32/64-bit sum, its
     # all-reduce); the smaller ones through its all-gather.
     large = [(torch.float32, "sum", 100000), (torch.float32, "max", 100000),

@@ -3,6 +3,7 @@
 #include <errno.h>
 #include <fcntl.h>
 #include <linux/futex.h>
+#include <sched.h>
 #include <signal.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
@@ -10,8 +11,10 @@
 #include <time.h>
 #include <unistd.h>
 
+#include <cerrno>
 #include <climits>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <fstream>
 #include <new>
@@ -32,6 +35,18 @@ namespace {
 constexpr uint64_t kMagic = 0x31646572676e6972ULL;  // "ringred1"
 constexpr size_t kHeaderBytes = (sizeof(Header) + 4095) / 4096 * 4096;
 constexpr size_t kP2PCounterBytes = (sizeof(P2PCounters) + 4095) / 4096 * 4096;
+
+// How long a wait spins before it sleeps on the futex, when every rank of the group can have
+// a core of its own (RINGREDUCE_SPIN_US overrides). Measured with bench/shm_latency.py on the
+// 2-core machine: an 8 B all-reduce of 2 ranks takes ~30 us when every wait sleeps
+// (RINGREDUCE_SPIN_US=0) and 0.6-1.3 us when it spins; 4 ranks on the 2 cores take 18-60 us
+// when they spin 5-50 us, 3-15 us when they do not. 50 us keeps ranks that arrive within tens
+// of microseconds of each other off the sleep path; a longer spin only burns a core.
+constexpr int64_t kDefaultSpinNs = 50000;
+constexpr int64_t kMaxSpinNs = 10000000;
+// sched_yield calls after the spin, before sleeping: where ranks share cores, a yield lets a
+// peer that is ready to run on this core run now rather than after a futex round trip.
+constexpr int kYields = 4;
 
 // Bytes of each point-to-point ring: a quarter of the staging size shared among the
 // destinations, at least a page. Larger messages stream through in pieces; this only bounds
@@ -70,6 +85,33 @@ inline void cpu_relax() {
 #elif defined(__aarch64__)
   asm volatile("yield");
 #endif
+}
+
+// The value of environment variable `name`, an integer in [lo, hi]; `dflt` when unset or blank.
+int64_t env_int(const char* name, int64_t dflt, int64_t lo, int64_t hi, const char* meaning) {
+  const char* raw = std::getenv(name);
+  if (raw == nullptr) return dflt;
+  const char* p = raw;
+  while (*p == ' ' || *p == '\t') ++p;
+  if (*p == '\0') return dflt;
+  char* end = nullptr;
+  errno = 0;
+  const long long v = std::strtoll(p, &end, 10);
+  while (end != nullptr && (*end == ' ' || *end == '\t')) ++end;
+  if (errno != 0 || end == p || *end != '\0' || v < lo || v > hi)
+    throw std::invalid_argument(std::string("ringreduce: ") + name + " must be " + meaning +
+                                " in [" + std::to_string(lo) + ", " + std::to_string(hi) +
+                                "]; got '" + raw + "'");
+  return int64_t(v);
+}
+
+// CPUs this process may run on (its affinity mask, which taskset and cgroup cpusets narrow).
+int usable_cpus() {
+  cpu_set_t set;
+  CPU_ZERO(&set);
+  if (sched_getaffinity(0, sizeof(set), &set) == 0) return CPU_COUNT(&set);
+  const long n = sysconf(_SC_NPROCESSORS_ONLN);
+  return n > 0 ? int(n) : 1;
 }
 
 std::string seconds(std::chrono::nanoseconds d) {
@@ -111,6 +153,11 @@ HostGroup::HostGroup(int rank, int nranks, int64_t capacity, double timeout_s,
                      const std::string& tag)
     : rank_(rank), nranks_(nranks), capacity_(capacity), p2p_ring_bytes_(0),
       headers_(size_t(nranks), nullptr) {
+  // Spinning only pays while the peer runs on another core. With more ranks than cores a
+  // spinning rank takes the core from the peer it waits for: there it yields and sleeps at once.
+  spin_ns_ = env_int("RINGREDUCE_SPIN_US", -1, 0, kMaxSpinNs / 1000,
+                     "a number of microseconds (how long a wait spins before it sleeps)");
+  spin_ns_ = spin_ns_ >= 0 ? spin_ns_ * 1000 : (nranks <= usable_cpus() ? kDefaultSpinNs : 0);
   if (nranks < 1 || nranks > kMaxRanks)
     throw std::invalid_argument("ringreduce: world size must be in [1, " +
                                 std::to_string(kMaxRanks) + "]; got " + std::to_string(nranks));
@@ -364,12 +411,23 @@ void HostGroup::raise_peer_problem(int peer, uint64_t target, const Ctx& ctx,
 void HostGroup::wait(int peer, uint64_t target, const Ctx& ctx, const std::string& what) const {
   Header* h = headers_[size_t(peer)];
   if (h->progress.load(std::memory_order_acquire) >= target) return;
-  for (int i = 0; i < 256; ++i) {
-    cpu_relax();
-    if (h->progress.load(std::memory_order_acquire) >= target) return;
+  // Spin, then yield, then sleep. Every 64 pauses the spin reads the clock and yields: when
+  // the machine is busier than the group and the peer waits for this very core, the yield
+  // lets it run now instead of after the whole spin (measured: 50 us lost per wait otherwise);
+  // when nothing else wants the core, sched_yield returns at once.
+  if (spin_ns_ > 0) {
+    const auto until = Clock::now() + std::chrono::nanoseconds(spin_ns_);
+    for (uint32_t i = 1;; ++i) {
+      cpu_relax();
+      if (h->progress.load(std::memory_order_acquire) >= target) return;
+      if ((i & 63) == 0) {
+        if (Clock::now() >= until) break;
+        sched_yield();
+      }
+    }
   }
-  for (int i = 0; i < 8; ++i) {
-    std::this_thread::yield();
+  for (int i = 0; i < kYields; ++i) {
+    sched_yield();
     if (h->progress.load(std::memory_order_acquire) >= target) return;
   }
   // Tells peers whom this rank is blocked on, for their timeout messages. Cleared when the

@@ -12,7 +12,8 @@
 // rank's counter by the same amount, so all ranks agree on the value a counter must reach
 // ("rank p has finished step k of this phase" is "progress[p] >= base + k + 1"). A rank writes
 // its data, then publishes with a release store; a reader waits with acquire loads, so what
-// the writer wrote before publishing is visible. Waiters sleep on a futex next to the counter.
+// the writer wrote before publishing is visible. Waiters spin briefly (not at all when the
+// group's ranks outnumber this process's cores), then sleep on a futex next to the counter.
 //
 // Every wait is bounded by the group's timeout, measured from the start of the collective, and
 // fails naming the collective, the peer and the step. A rank whose collective fails marks its
@@ -217,6 +218,7 @@ class HostGroup {
   int nranks_;
   int64_t capacity_;
   int64_t p2p_ring_bytes_;
+  int64_t spin_ns_;  // how long a wait spins before it sleeps
   std::chrono::nanoseconds timeout_;
   std::string name_;
   size_t map_bytes_ = 0;

@@ -91,10 +91,12 @@ void small_all_reduce(HostGroup& g, const Ctx& ctx, void* data, int64_t count, D
   g.small_slot(rank, s)->desc = host_desc(ctx, int(dtype), int(op), -1, count, kSmallRound);
   std::memcpy(g.small_data(rank, s), data, size_t(count * esize));
   g.publish(base + 1);
+  const char* what = "in the one-round (small message) all_reduce";
   for (int j = 1; j < n; ++j) {
     const int p = (rank + j) % n;
-    g.wait(p, base + 1, ctx, "in the one-round (small message) all_reduce");
+    g.wait(p, base + 1, ctx, what);
     g.check_small_desc(p, s, ctx);
+    g.check_not_failed(p, base + 1, ctx, what);
   }
   char* out = static_cast<char*>(data);
   for (int c = 0; c < n; ++c) {

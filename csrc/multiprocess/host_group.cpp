@@ -531,6 +531,15 @@ void HostGroup::wait(int peer, uint64_t target, const Ctx& ctx, const std::strin
   }
 }
 
+void HostGroup::check_not_failed(int peer, uint64_t target, const Ctx& ctx,
+                                 const std::string& what) const {
+  const Header* h = headers_[size_t(peer)];
+  // A peer that published more than `target` finished this phase before it failed.
+  if (h->state.load(std::memory_order_acquire) == kAborted &&
+      h->progress.load(std::memory_order_acquire) <= target)
+    raise_peer_problem(peer, target, ctx, what, Problem::Aborted);
+}
+
 void HostGroup::wait_all(uint64_t target, const Ctx& ctx, const std::string& what) const {
   for (int i = 1; i < nranks_; ++i) wait((rank_ + i) % nranks_, target, ctx, what);
 }

@@ -207,6 +207,10 @@ class HostGroup {
   void publish(uint64_t value);
   // Waits until rank `peer` has published `target`. `what` describes the step for messages.
   void wait(int peer, uint64_t target, const Ctx& ctx, const std::string& what) const;
+  // Throws like wait() if rank `peer` failed (is aborted) without getting past `target`. For a
+  // phase whose last need of a peer is its publish of `target` (the one-round all-reduce): a
+  // peer aborted right after it must still fail this collective, as a wait for it would.
+  void check_not_failed(int peer, uint64_t target, const Ctx& ctx, const std::string& what) const;
   // Waits until every rank has published `target` (skipping this one).
   void wait_all(uint64_t target, const Ctx& ctx, const std::string& what) const;
 

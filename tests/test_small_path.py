@@ -287,9 +287,9 @@ def test_mismatches_fail_at_once_naming_both_sides(tmp_path):
             assert w in text, (case, w, text)
 
 
-def _bad_setting(rank, world, store, small_bytes):
+def _bad_setting(rank, world, store, small_bytes, name="RINGREDUCE_SMALL_BYTES"):
     if small_bytes[rank] is not None:
-        os.environ["RINGREDUCE_SMALL_BYTES"] = small_bytes[rank]
+        os.environ[name] = small_bytes[rank]
     try:
         init(rank, world, store, timeout=10.0)
         dist.all_reduce(torch.ones(3))
@@ -303,6 +303,8 @@ def test_bad_or_differing_settings_refuse_the_group(tmp_path):
         msg = values(run_ranks(_bad_setting, 1, tmp_path, [setting]))[0]
         assert "RINGREDUCE_SMALL_BYTES must be" in msg and repr(setting) in msg.replace(
             '"', "'"), msg
+    msg = values(run_ranks(_bad_setting, 1, tmp_path, ["1e3"], "RINGREDUCE_SPIN_US"))[0]
+    assert "RINGREDUCE_SPIN_US must be a number of microseconds" in msg, msg
     # The first rank to map a peer's segment names the setting and gives up, which removes its
     # own segment: the other rank may then fail to open that one instead.
     msgs = values(run_ranks(_bad_setting, 2, tmp_path, ["0", None]))

@@ -50,6 +50,71 @@ void copy_unless_same(void* dst, const void* src, int64_t len) {
   if (dst != src) std::memmove(dst, src, size_t(len));
 }
 
+// The one-round all-reduce of a small tensor (at most g.small_bytes() bytes): every rank copies
+// its input into its own small slot, publishes once, waits until every peer has published, and
+// reduces all N slots straight into its output.
+//
+// Bits. Element i of ring chunk c (schedule.h's chunk_range) is reduced in the ring's order
+// c, c+1, ..., c-1 (mod N) with the ring's combine (each hop rounded to the dtype, half types
+// through fp32, avg divided on the last hop), the order oneshot.h follows on the GPU. So the
+// result is the ring's, bit for bit, on every rank: RINGREDUCE_SMALL_BYTES changes the speed,
+// never the bits. (Tensors of less than 16 bytes per rank are one chunk: rank order 0..N-1.)
+//
+// No barrier at the start or the end. This phase has one step: the publish of base + 1 says
+// "my slot holds my input". Two slots per rank, used alternately by this rank's small
+// all-reduces (next_small_slot: every rank counts the same calls, so all use the same slot in
+// a call). Why a rank P never overwrites a slot that a slow peer Q still reads: P writes slot s
+// in small all-reduce k + 2 only after it finished small all-reduce k + 1 (program order), in
+// which it waited for every peer's publish of that call's base + 1; Q publishes that only after
+// it finished small all-reduce k, its reads of everyone's slot s included (program order again;
+// the publish is a release store and P's wait an acquire load, so Q's reads happen before P's
+// writes). Whatever other collectives run between, they do not change this: they never touch
+// the small slots, and every rank runs them in the same order, so the count of small
+// all-reduces (the slot parity) and the progress values stay in step. The slot's descriptor is
+// covered by the same argument, which is why it lives in the slot and not in the header.
+//
+// The other collectives in turn rely on their start barrier (wait_all(base)): "every peer has
+// finished the previous phase, so nobody still reads my staging area or header descriptor".
+// After a small phase, progress[q] >= base only says that q has *started* that phase. That
+// is enough: q finished every phase before it (it publishes base only after its reads), and in
+// the small phase q reads only small slots, which the next phase does not write. After a small
+// phase the barrier costs N-1 loads, since every peer is already past base. It cannot be
+// dropped after a ring phase, whose last step has rank r + 1 still reading r's staging area
+// when r is done.
+void small_all_reduce(HostGroup& g, const Ctx& ctx, void* data, int64_t count, DType dtype,
+                      Op op) {
+  const int n = g.nranks();
+  const int rank = g.rank();
+  const int64_t esize = elem_size(dtype);
+  const int s = g.next_small_slot();
+  const uint64_t base = g.base();
+  g.small_slot(rank, s)->desc = host_desc(ctx, int(dtype), int(op), -1, count, kSmallRound);
+  std::memcpy(g.small_data(rank, s), data, size_t(count * esize));
+  g.publish(base + 1);
+  const char* what = "in the one-round (small message) all_reduce";
+  for (int j = 1; j < n; ++j) {
+    const int p = (rank + j) % n;
+    g.wait(p, base + 1, ctx, what);
+    g.check_small_desc(p, s, ctx);
+    g.check_not_failed(p, base + 1, ctx, what);
+  }
+  char* out = static_cast<char*>(data);
+  for (int c = 0; c < n; ++c) {
+    const Range chunk = chunk_range(count, n, esize, c);
+    if (chunk.count == 0) continue;
+    const int64_t off = chunk.offset * esize;
+    char* dst = out + off;
+    std::memcpy(dst, g.small_data(c, s) + off, size_t(chunk.count * esize));
+    for (int j = 1; j < n; ++j) {
+      const int r = (c + j) % n;
+      // The ring's hop at rank r: combine(own = r's input, incoming = the partial so far).
+      ::rr::cpu::combine(dtype, op, dst, g.small_data(r, s) + off, dst, chunk.count, j == n - 1,
+                         n);
+    }
+  }
+  g.end_phase(1);
+}
+
 }  // namespace
 
 void all_reduce(HostGroup& g, void* data, int64_t count, DType dtype, Op op) {
@@ -57,6 +122,10 @@ void all_reduce(HostGroup& g, void* data, int64_t count, DType dtype, Op op) {
   const int n = g.nranks();
   if (n == 1) return;
   guarded(g, ctx, [&] {
+    if (g.small_bytes() > 0 && count * elem_size(dtype) <= g.small_bytes()) {
+      small_all_reduce(g, ctx, data, count, dtype, op);
+      return;
+    }
     const int rank = g.rank();
     const int pred = mod(rank - 1, n);
     const int64_t esize = elem_size(dtype);

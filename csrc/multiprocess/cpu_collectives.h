@@ -6,6 +6,10 @@
 // Tensors larger than the staging area go in rounds. An all-reduce round carries one piece of
 // every ring chunk, so every element stays in the chunk the whole-tensor schedule puts it in
 // and is reduced in the same order: the result is bitwise the single-process core's.
+//
+// All-reduces of at most HostGroup::small_bytes() bytes (RINGREDUCE_SMALL_BYTES) skip the ring:
+// one round through two per-rank slots, every rank reducing all inputs in the ring's order, so
+// the bits are the ring's at every size (cpu_collectives.cpp, small_all_reduce).
 #pragma once
 
 #include <cstdint>

@@ -3,6 +3,7 @@
 #include <errno.h>
 #include <fcntl.h>
 #include <linux/futex.h>
+#include <sched.h>
 #include <signal.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
@@ -10,8 +11,10 @@
 #include <time.h>
 #include <unistd.h>
 
+#include <cerrno>
 #include <climits>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <fstream>
 #include <new>
@@ -29,9 +32,29 @@ static_assert(sizeof(std::atomic<uint32_t>) == 4, "the futex word must be 32 bit
 
 namespace {
 
-constexpr uint64_t kMagic = 0x31646572676e6972ULL;  // "ringred1"
+constexpr uint64_t kMagic = 0x32646572676e6972ULL;  // "ringred2"
 constexpr size_t kHeaderBytes = (sizeof(Header) + 4095) / 4096 * 4096;
 constexpr size_t kP2PCounterBytes = (sizeof(P2PCounters) + 4095) / 4096 * 4096;
+
+// RINGREDUCE_SMALL_BYTES's default: all-reduces up to this size take the one-round path
+// (cpu_collectives.cpp). Measured with bench/shm_latency.py (float32 sum, 2 cores): with 4
+// ranks the one round wins up to 64 KiB (35 us vs 46-59 us) and loses from 256 KiB; with 2
+// ranks it wins at 8 B-1 KiB (0.6 vs 1.2 us) and 64 KiB (14 vs 17 us), loses ~1 us at
+// 16-32 KiB (every rank reduces the whole tensor, the ring only its chunk), ties above.
+constexpr int64_t kDefaultSmallBytes = 64 << 10;
+// Its largest accepted value: every segment holds two slots of this size.
+constexpr int64_t kMaxSmallBytes = 16 << 20;
+// How long a wait spins before it sleeps on the futex, when every rank of the group can have
+// a core of its own (RINGREDUCE_SPIN_US overrides). Measured with bench/shm_latency.py on the
+// 2-core machine: an 8 B all-reduce of 2 ranks takes ~30 us when every wait sleeps
+// (RINGREDUCE_SPIN_US=0) and 0.6-1.3 us when it spins; 4 ranks on the 2 cores take 18-60 us
+// when they spin 5-50 us, 3-15 us when they do not. 50 us keeps ranks that arrive within tens
+// of microseconds of each other off the sleep path; a longer spin only burns a core.
+constexpr int64_t kDefaultSpinNs = 50000;
+constexpr int64_t kMaxSpinNs = 10000000;
+// sched_yield calls after the spin, before sleeping: where ranks share cores, a yield lets a
+// peer that is ready to run on this core run now rather than after a futex round trip.
+constexpr int kYields = 4;
 
 // Bytes of each point-to-point ring: a quarter of the staging size shared among the
 // destinations, at least a page. Larger messages stream through in pieces; this only bounds
@@ -72,6 +95,33 @@ inline void cpu_relax() {
 #endif
 }
 
+// The value of environment variable `name`, an integer in [lo, hi]; `dflt` when unset or blank.
+int64_t env_int(const char* name, int64_t dflt, int64_t lo, int64_t hi, const char* meaning) {
+  const char* raw = std::getenv(name);
+  if (raw == nullptr) return dflt;
+  const char* p = raw;
+  while (*p == ' ' || *p == '\t') ++p;
+  if (*p == '\0') return dflt;
+  char* end = nullptr;
+  errno = 0;
+  const long long v = std::strtoll(p, &end, 10);
+  while (end != nullptr && (*end == ' ' || *end == '\t')) ++end;
+  if (errno != 0 || end == p || *end != '\0' || v < lo || v > hi)
+    throw std::invalid_argument(std::string("ringreduce: ") + name + " must be " + meaning +
+                                " in [" + std::to_string(lo) + ", " + std::to_string(hi) +
+                                "]; got '" + raw + "'");
+  return int64_t(v);
+}
+
+// CPUs this process may run on (its affinity mask, which taskset and cgroup cpusets narrow).
+int usable_cpus() {
+  cpu_set_t set;
+  CPU_ZERO(&set);
+  if (sched_getaffinity(0, sizeof(set), &set) == 0) return CPU_COUNT(&set);
+  const long n = sysconf(_SC_NPROCESSORS_ONLN);
+  return n > 0 ? int(n) : 1;
+}
+
 std::string seconds(std::chrono::nanoseconds d) {
   char buf[32];
   std::snprintf(buf, sizeof(buf), "%.1f s", double(d.count()) / 1e9);
@@ -86,6 +136,7 @@ std::string desc_text(const Desc& d) {
   if (d.op >= 0) s << " op=" << op_name(Op(d.op));
   if (d.root >= 0) s << " root=" << d.root;
   s << (d.device < 0 ? " on cpu" : " on cuda");
+  if (Kind(d.kind) == Kind::AllReduce && d.round == kSmallRound) s << " (small-message path)";
   return s.str();
 }
 
@@ -110,7 +161,14 @@ const char* kind_name(Kind k) {
 HostGroup::HostGroup(int rank, int nranks, int64_t capacity, double timeout_s,
                      const std::string& tag)
     : rank_(rank), nranks_(nranks), capacity_(capacity), p2p_ring_bytes_(0),
+      small_bytes_(env_int("RINGREDUCE_SMALL_BYTES", kDefaultSmallBytes, 0, kMaxSmallBytes,
+                           "a number of bytes (0 disables the one-round small all-reduce)")),
       headers_(size_t(nranks), nullptr) {
+  // Spinning only pays while the peer runs on another core. With more ranks than cores a
+  // spinning rank takes the core from the peer it waits for: there it yields and sleeps at once.
+  spin_ns_ = env_int("RINGREDUCE_SPIN_US", -1, 0, kMaxSpinNs / 1000,
+                     "a number of microseconds (how long a wait spins before it sleeps)");
+  spin_ns_ = spin_ns_ >= 0 ? spin_ns_ * 1000 : (nranks <= usable_cpus() ? kDefaultSpinNs : 0);
   if (nranks < 1 || nranks > kMaxRanks)
     throw std::invalid_argument("ringreduce: world size must be in [1, " +
                                 std::to_string(kMaxRanks) + "]; got " + std::to_string(nranks));
@@ -127,8 +185,11 @@ HostGroup::HostGroup(int rank, int nranks, int64_t capacity, double timeout_s,
     throw std::runtime_error("ringreduce: shm_open(" + name_ + ") failed: " + errno_text(errno));
   linked_ = true;
   p2p_ring_bytes_ = ring_bytes_for(capacity, nranks);
-  map_bytes_ = kHeaderBytes + size_t(capacity) + kP2PCounterBytes +
-               size_t(nranks) * size_t(p2p_ring_bytes_);
+  // Page-aligned whatever the staging capacity, so slots and their data are 64-byte aligned.
+  small_offset_ = (kHeaderBytes + size_t(capacity) + kP2PCounterBytes +
+                   size_t(nranks) * size_t(p2p_ring_bytes_) + 4095) / 4096 * 4096;
+  small_stride_ = sizeof(SmallSlot) + (size_t(small_bytes_) + 63) / 64 * 64;
+  map_bytes_ = small_offset_ + (2 * small_stride_ + 4095) / 4096 * 4096;
   // posix_fallocate reserves the pages now: without it a full /dev/shm shows up later as
   // SIGBUS on first touch instead of an error here.
   int err = posix_fallocate(fd, 0, off_t(map_bytes_));
@@ -152,6 +213,7 @@ HostGroup::HostGroup(int rank, int nranks, int64_t capacity, double timeout_s,
   h->pid = int64_t(getpid());
   h->pid_ns = own_pid_ns();
   h->capacity = capacity;
+  h->small_bytes = small_bytes_;
   h->progress.store(0, std::memory_order_relaxed);
   h->wake.store(0, std::memory_order_relaxed);
   h->waiters.store(0, std::memory_order_relaxed);
@@ -164,6 +226,11 @@ HostGroup::HostGroup(int rank, int nranks, int64_t capacity, double timeout_s,
   for (int q = 0; q < kMaxRanks; ++q) {
     counters->sent[q].value.store(0, std::memory_order_relaxed);
     counters->consumed[q].value.store(0, std::memory_order_relaxed);
+  }
+  for (int s = 0; s < 2; ++s) {
+    SmallSlot* slot = new (static_cast<char*>(p) + small_offset_ + size_t(s) * small_stride_)
+        SmallSlot();
+    slot->desc.seq = 0;  // matches no collective (they count from 1)
   }
   h->state.store(kLive, std::memory_order_release);
   headers_[size_t(rank)] = h;
@@ -196,16 +263,17 @@ void HostGroup::attach(const std::vector<std::string>& names) {
                       " (all ranks must run on one host and share /dev/shm)");
     struct stat st{};
     void* p = MAP_FAILED;
-    if (fstat(fd, &st) == 0 && size_t(st.st_size) == map_bytes_)
+    const bool stat_ok = fstat(fd, &st) == 0;
+    if (stat_ok && size_t(st.st_size) == map_bytes_)
       p = mmap(nullptr, map_bytes_, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
     const int err = errno;
+    std::string why = errno_text(err);
+    if (p == MAP_FAILED && stat_ok && size_t(st.st_size) != map_bytes_)
+      why = "size differs: " + size_mismatch(fd, size_t(st.st_size));
     ::close(fd);
     if (p == MAP_FAILED)
       throw CommError("ringreduce: could not map rank " + std::to_string(r) + "'s shared memory " +
-                      n + " (" + (size_t(st.st_size) != map_bytes_
-                                      ? "size differs: is RINGREDUCE_SHM_BYTES the same on "
-                                        "every rank?"
-                                      : errno_text(err)) + ")");
+                      n + " (" + why + ")");
     Header* h = static_cast<Header*>(p);
     headers_[size_t(r)] = h;
     if (h->magic != kMagic || h->rank != r || h->nranks != nranks_)
@@ -213,7 +281,43 @@ void HostGroup::attach(const std::vector<std::string>& names) {
                       " does not belong to this group (rank " + std::to_string(h->rank) +
                       " of " + std::to_string(h->nranks) + "; expected rank " +
                       std::to_string(r) + " of " + std::to_string(nranks_) + ")");
+    // Both sizes decide which path a collective takes: ranks that differ would deadlock or
+    // exchange garbage instead of failing, so the group refuses to form.
+    if (h->small_bytes != small_bytes_ || h->capacity != capacity_)
+      throw CommError(setting_mismatch(r, h->capacity, h->small_bytes));
   }
+}
+
+std::string HostGroup::setting_mismatch(int peer, int64_t capacity, int64_t small_bytes) const {
+  std::ostringstream s;
+  s << "ringreduce: rank " << peer << " and rank " << rank_ << " (this one) were started with "
+    << "different settings: ";
+  if (capacity != capacity_)
+    s << "RINGREDUCE_SHM_BYTES " << capacity << " on rank " << peer << " but " << capacity_
+      << " here; ";
+  if (small_bytes != small_bytes_)
+    s << "RINGREDUCE_SMALL_BYTES " << small_bytes << " on rank " << peer << " but "
+      << small_bytes_ << " here; ";
+  s << "every rank must use the same values";
+  return s.str();
+}
+
+std::string HostGroup::size_mismatch(int fd, size_t size) const {
+  // The header says which setting differs, when the segment is at least a header long and
+  // of this build's layout.
+  if (size >= kHeaderBytes) {
+    void* p = mmap(nullptr, kHeaderBytes, PROT_READ, MAP_SHARED, fd, 0);
+    if (p != MAP_FAILED) {
+      const Header* h = static_cast<const Header*>(p);
+      std::string text;
+      if (h->magic == kMagic && (h->capacity != capacity_ || h->small_bytes != small_bytes_))
+        text = setting_mismatch(h->rank, h->capacity, h->small_bytes);
+      munmap(p, kHeaderBytes);
+      if (!text.empty()) return text.substr(std::string("ringreduce: ").size());
+    }
+  }
+  return "are RINGREDUCE_SHM_BYTES and RINGREDUCE_SMALL_BYTES the same on every rank, and every "
+         "rank running the same build of ringreduce?";
 }
 
 void HostGroup::unlink() {
@@ -252,6 +356,11 @@ P2PCounters* HostGroup::p2p_counters(int r) const {
 
 char* HostGroup::p2p_ring(int owner, int dst) const {
   return staging(owner) + capacity_ + kP2PCounterBytes + size_t(dst) * size_t(p2p_ring_bytes_);
+}
+
+SmallSlot* HostGroup::small_slot(int r, int s) const {
+  return reinterpret_cast<SmallSlot*>(reinterpret_cast<char*>(headers_[size_t(r)]) +
+                                      small_offset_ + size_t(s) * small_stride_);
 }
 
 void HostGroup::ring_bell(int r) const {
@@ -364,12 +473,23 @@ void HostGroup::raise_peer_problem(int peer, uint64_t target, const Ctx& ctx,
 void HostGroup::wait(int peer, uint64_t target, const Ctx& ctx, const std::string& what) const {
   Header* h = headers_[size_t(peer)];
   if (h->progress.load(std::memory_order_acquire) >= target) return;
-  for (int i = 0; i < 256; ++i) {
-    cpu_relax();
-    if (h->progress.load(std::memory_order_acquire) >= target) return;
+  // Spin, then yield, then sleep. Every 64 pauses the spin reads the clock and yields: when
+  // the machine is busier than the group and the peer waits for this very core, the yield
+  // lets it run now instead of after the whole spin (measured: 50 us lost per wait otherwise);
+  // when nothing else wants the core, sched_yield returns at once.
+  if (spin_ns_ > 0) {
+    const auto until = Clock::now() + std::chrono::nanoseconds(spin_ns_);
+    for (uint32_t i = 1;; ++i) {
+      cpu_relax();
+      if (h->progress.load(std::memory_order_acquire) >= target) return;
+      if ((i & 63) == 0) {
+        if (Clock::now() >= until) break;
+        sched_yield();
+      }
+    }
   }
-  for (int i = 0; i < 8; ++i) {
-    std::this_thread::yield();
+  for (int i = 0; i < kYields; ++i) {
+    sched_yield();
     if (h->progress.load(std::memory_order_acquire) >= target) return;
   }
   // Tells peers whom this rank is blocked on, for their timeout messages. Cleared when the
@@ -411,6 +531,15 @@ void HostGroup::wait(int peer, uint64_t target, const Ctx& ctx, const std::strin
   }
 }
 
+void HostGroup::check_not_failed(int peer, uint64_t target, const Ctx& ctx,
+                                 const std::string& what) const {
+  const Header* h = headers_[size_t(peer)];
+  // A peer that published more than `target` finished this phase before it failed.
+  if (h->state.load(std::memory_order_acquire) == kAborted &&
+      h->progress.load(std::memory_order_acquire) <= target)
+    raise_peer_problem(peer, target, ctx, what, Problem::Aborted);
+}
+
 void HostGroup::wait_all(uint64_t target, const Ctx& ctx, const std::string& what) const {
   for (int i = 1; i < nranks_; ++i) wait((rank_ + i) % nranks_, target, ctx, what);
 }
@@ -418,12 +547,27 @@ void HostGroup::wait_all(uint64_t target, const Ctx& ctx, const std::string& wha
 void HostGroup::set_desc(const Desc& d) { headers_[size_t(rank_)]->desc = d; }
 
 void HostGroup::check_desc(int peer, const Ctx& ctx) const {
-  const Desc& a = headers_[size_t(rank_)]->desc;
-  const Desc& b = headers_[size_t(peer)]->desc;
-  if (a.seq == b.seq && a.kind == b.kind && a.dtype == b.dtype && a.op == b.op &&
-      a.root == b.root && a.count == b.count && a.round == b.round &&
-      (a.device < 0) == (b.device < 0))
+  compare_descs(headers_[size_t(rank_)]->desc, headers_[size_t(peer)]->desc, peer, ctx);
+}
+
+void HostGroup::check_small_desc(int peer, int s, const Ctx& ctx) const {
+  compare_descs(small_slot(rank_, s)->desc, small_slot(peer, s)->desc, peer, ctx);
+}
+
+void HostGroup::compare_descs(const Desc& a, const Desc& b_seen, int peer, const Ctx& ctx) const {
+  if (a.seq == b_seen.seq && a.kind == b_seen.kind && a.dtype == b_seen.dtype &&
+      a.op == b_seen.op && a.root == b_seen.root && a.count == b_seen.count &&
+      a.round == b_seen.round && (a.device < 0) == (b_seen.device < 0))
     return;
+  // A peer that took the other path (ring or small all-reduce, because it was given another
+  // size) described collective #seq in the other place: report that description. The peer may
+  // be writing its next one meanwhile; this only words the message.
+  Desc b = b_seen;
+  const Desc candidates[3] = {headers_[size_t(peer)]->desc, small_slot(peer, 0)->desc,
+                              small_slot(peer, 1)->desc};
+  for (const Desc& d : candidates) {
+    if (b.seq != a.seq && d.seq == a.seq) b = d;
+  }
   std::ostringstream s;
   s << "ringreduce: " << describe(ctx) << ": ranks disagree: rank " << rank_ << " called "
     << desc_text(a) << " but rank " << peer << " called " << desc_text(b)

@@ -2,7 +2,8 @@
 //
 // Every rank creates one POSIX shared-memory segment: a header (progress counter, state, the
 // descriptor of the collective it is in, CUDA IPC handles) followed by a staging area for CPU
-// tensors and a point-to-point area (rings per destination, see p2p.h). Ranks exchange segment
+// tensors, a point-to-point area (rings per destination, see p2p.h) and two small-message
+// slots (cpu_collectives.cpp: the one-round all-reduce). Ranks exchange segment
 // names through the process group's store, map every peer's segment, and unlink their own as
 // soon as every peer has mapped it, so nothing is left in /dev/shm once the group is up,
 // whatever happens to the processes afterwards.
@@ -12,7 +13,8 @@
 // rank's counter by the same amount, so all ranks agree on the value a counter must reach
 // ("rank p has finished step k of this phase" is "progress[p] >= base + k + 1"). A rank writes
 // its data, then publishes with a release store; a reader waits with acquire loads, so what
-// the writer wrote before publishing is visible. Waiters sleep on a futex next to the counter.
+// the writer wrote before publishing is visible. Waiters spin briefly (not at all when the
+// group's ranks outnumber this process's cores), then sleep on a futex next to the counter.
 //
 // Every wait is bounded by the group's timeout, measured from the start of the collective, and
 // fails naming the collective, the peer and the step. A rank whose collective fails marks its
@@ -50,10 +52,14 @@ struct Desc {
   int32_t op;       // rr::Op, -1 where there is none
   int32_t root;     // broadcast root, -1 otherwise
   int64_t count;    // elements (or bytes for byte collectives) per rank
-  int64_t round;    // round within the collective (large CPU tensors go in rounds)
+  int64_t round;    // round within the collective (large CPU tensors go in rounds), or
+                    // kSmallRound
   int32_t device;   // -1: host memory; otherwise the CUDA ordinal of the rank's buffer
   int32_t pad;
 };
+
+// Desc::round of an all-reduce that takes the one-round small-message path.
+constexpr int64_t kSmallRound = -1;
 
 inline Desc make_desc(uint64_t seq, Kind kind, int dtype, int op, int root, int64_t count,
                       int64_t round, int device) {
@@ -93,6 +99,7 @@ struct alignas(64) Header {
   int64_t pid;
   uint64_t pid_ns;   // inode of /proc/self/ns/pid: liveness checks only within one namespace
   int64_t capacity;  // bytes of staging area after the header
+  int64_t small_bytes;  // RINGREDUCE_SMALL_BYTES: data bytes of each small-message slot
   alignas(64) std::atomic<uint64_t> progress;
   alignas(64) std::atomic<uint32_t> wake;     // futex word, bumped on every publish
   std::atomic<uint32_t> waiters;              // peers sleeping on `wake`
@@ -119,6 +126,13 @@ struct alignas(64) Counter {
 struct P2PCounters {
   Counter sent[kMaxRanks];
   Counter consumed[kMaxRanks];
+};
+
+// The head of a small-message slot (HostGroup::small_slot), its data follows on the next cache
+// line. Each slot carries its own descriptor: the header's `desc` cannot serve a phase that
+// starts without a barrier (cpu_collectives.cpp, the one-round all-reduce).
+struct alignas(64) SmallSlot {
+  Desc desc;
 };
 
 // Thrown for every failure that involves another rank (timeouts, dead or failed peers,
@@ -149,6 +163,8 @@ class HostGroup {
   int rank() const { return rank_; }
   int nranks() const { return nranks_; }
   int64_t capacity() const { return capacity_; }
+  // All-reduces of at most this many bytes take the one-round small path; 0: never.
+  int64_t small_bytes() const { return small_bytes_; }
   void set_timeout(double seconds);
   std::chrono::nanoseconds timeout() const { return timeout_; }
 
@@ -172,6 +188,13 @@ class HostGroup {
   void ring_own_bell();
   // Sleeps while this rank's p2p bell still reads `seen`, at most `ns` nanoseconds.
   void wait_bell(uint32_t seen, int64_t ns) const;
+  // Rank r's small-message slot `s` (0 or 1); its data (small_bytes() bytes) follows at
+  // small_data(r, s), 64-byte aligned.
+  SmallSlot* small_slot(int r, int s) const;
+  char* small_data(int r, int s) const { return reinterpret_cast<char*>(small_slot(r, s) + 1); }
+  // The slot this rank's next small all-reduce writes: 0, 1, 0, ... (the count of small
+  // all-reduces, which every rank runs in the same order, so all ranks agree on it).
+  int next_small_slot() { return int(small_calls_++ & 1); }
   // True when rank `peer`'s process has exited (checked through /proc, same pid namespace).
   bool peer_dead(int peer) const;
 
@@ -184,6 +207,10 @@ class HostGroup {
   void publish(uint64_t value);
   // Waits until rank `peer` has published `target`. `what` describes the step for messages.
   void wait(int peer, uint64_t target, const Ctx& ctx, const std::string& what) const;
+  // Throws like wait() if rank `peer` failed (is aborted) without getting past `target`. For a
+  // phase whose last need of a peer is its publish of `target` (the one-round all-reduce): a
+  // peer aborted right after it must still fail this collective, as a wait for it would.
+  void check_not_failed(int peer, uint64_t target, const Ctx& ctx, const std::string& what) const;
   // Waits until every rank has published `target` (skipping this one).
   void wait_all(uint64_t target, const Ctx& ctx, const std::string& what) const;
 
@@ -191,6 +218,8 @@ class HostGroup {
   void set_desc(const Desc& d);
   // Throws a CommError if rank `peer`'s descriptor disagrees with this rank's.
   void check_desc(int peer, const Ctx& ctx) const;
+  // The same for the descriptors in small-message slot `s` of this rank and of `peer`.
+  void check_small_desc(int peer, int s, const Ctx& ctx) const;
 
   // Marks this rank aborted with `msg` and wakes its waiters; later collectives fail at once,
   // and a wait in progress on this rank (another thread: ProcessGroup.abort) stops within
@@ -212,11 +241,18 @@ class HostGroup {
   [[noreturn]] void raise_peer_problem(int peer, uint64_t target, const Ctx& ctx,
                                        const std::string& what, Problem problem) const;
   std::string where_is(int peer) const;  // "is at step 2 of this phase" etc.
+  void compare_descs(const Desc& mine, const Desc& theirs, int peer, const Ctx& ctx) const;
+  std::string setting_mismatch(int peer, int64_t capacity, int64_t small_bytes) const;
+  std::string size_mismatch(int fd, size_t size) const;  // why a peer's segment size differs
 
   int rank_;
   int nranks_;
   int64_t capacity_;
   int64_t p2p_ring_bytes_;
+  int64_t small_bytes_;
+  size_t small_offset_ = 0;  // of the small-message slots in every segment
+  size_t small_stride_ = 0;  // bytes from one slot to the next
+  int64_t spin_ns_;          // how long a wait spins before it sleeps
   std::chrono::nanoseconds timeout_;
   std::string name_;
   size_t map_bytes_ = 0;
@@ -227,6 +263,7 @@ class HostGroup {
   std::mutex state_mu_;
   uint64_t base_ = 0;
   uint64_t seq_ = 0;
+  uint64_t small_calls_ = 0;
 };
 
 // Runs one collective's body; on any failure marks this rank aborted (so peers waiting on it

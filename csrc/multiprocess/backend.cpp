@@ -651,21 +651,11 @@ class Engine : public std::enable_shared_from_this<Engine> {
     cudaStream_t s = nullptr;
     C10_CUDA_CHECK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
     auto stream = c10::cuda::getStreamFromExternal(s, device);
+    // Never destroyed: a Work (its future, its end event) may refer to the stream after the
+    // group is gone, and a process makes one per group and device.
     streams_.emplace(device, stream);
-    raw_streams_.emplace_back(device, s);
     used_cuda_.store(true);
     return stream;
-  }
-  // Destroys the streams once their work is done (after stop()).
-  void release_streams() {
-    const std::lock_guard<std::mutex> held(streams_mu_);
-    for (auto& ds : raw_streams_) {
-      c10::cuda::CUDAGuard guard(ds.first);
-      if (cudaStreamSynchronize(ds.second) == cudaSuccess) cudaStreamDestroy(ds.second);
-      cudaGetLastError();
-    }
-    raw_streams_.clear();
-    streams_.clear();
   }
 #endif
 
@@ -825,7 +815,6 @@ class Engine : public std::enable_shared_from_this<Engine> {
   std::thread watchdog_;
   std::mutex streams_mu_;
   std::map<c10::DeviceIndex, c10::cuda::CUDAStream> streams_;
-  std::vector<std::pair<c10::DeviceIndex, cudaStream_t>> raw_streams_;
 #endif
 
   std::shared_ptr<Group> g_;
@@ -1032,10 +1021,9 @@ class P2PEngine {
         const c10::cuda::CUDAStream s = engine_->stream(job.tensor.device().index());
         c10::cuda::CUDAStreamGuard on_internal(s);
         job.tensor.copy_(job.host, /*non_blocking=*/true);
-        // The pinned buffer must live until the copy has read it.
-        c10::cuda::CUDACachingAllocator::recordStream(job.tensor.storage().data_ptr(), s);
         auto end = std::make_shared<Event>(s.device_index());
         end->record(s);
+        // The pinned buffer is freed with the job: the copy must have read it by then.
         C10_CUDA_CHECK(cudaStreamSynchronize(s.stream()));
         work.set_cuda(end, s);
         work.finish(nullptr);
@@ -1187,9 +1175,6 @@ class RingReduceBackend final : public c10d::Backend {
     } catch (const std::exception&) {
       // Closing is best effort: the group is unusable either way.
     }
-#ifdef RINGREDUCE_WITH_CUDA
-    engine_->release_streams();
-#endif
     g_->completer.stop(Clock::now() + std::chrono::seconds(2));
   }
 

@@ -43,11 +43,11 @@ import common  # noqa: E402  (bench/ is not a package; common.py sits beside thi
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from ringreduce.dp import (DEFAULT_BUCKET_MB, METHODS, DataParallel, NcclUnavailable,
-                           WrappedTrainer, bucket_indices, make_all_reduce, nccl_route,
-                           nn_dataparallel_skip_reason, parse_devices)
-from ringreduce.models import resnet18
-from ringreduce.nccl import NcclLibraryError, describe_route, preload_requested_library
+from ringreduce.train.models import resnet18
+from ringreduce.train.nccl import NcclLibraryError, describe_route, preload_requested_library
+from ringreduce.train.trainers import (DEFAULT_BUCKET_MB, METHODS, DataParallel, NcclUnavailable,
+                                       WrappedTrainer, bucket_indices, make_all_reduce,
+                                       nccl_route, nn_dataparallel_skip_reason, parse_devices)
 
 FP32_UNIT_ROUNDOFF = 2.0 ** -24
 # Step rows for the module wrappers: ringreduce.DataParallel and torch.nn.DataParallel.

@@ -37,9 +37,9 @@ if _HERE not in sys.path:
 
 import common  # noqa: E402  (bench/ is not a package; common.py sits beside this file)
 import torch  # noqa: E402
-from ringreduce.nccl import (MULTI_RANK_MIN_VERSION, NCCL_LIB_ENV, NCCL_OPS,  # noqa: E402
-                             NEWER_NCCL_HINT, LibNccl, NcclLibraryError, load_libnccl,
-                             preload_requested_library, requested_library, torch_nccl_library)
+from ringreduce.train.nccl import (  # noqa: E402
+    MULTI_RANK_MIN_VERSION, NCCL_LIB_ENV, NCCL_OPS, NEWER_NCCL_HINT, LibNccl, NcclLibraryError,
+    load_libnccl, preload_requested_library, requested_library, torch_nccl_library)
 
 DTYPES = {
     "float32": torch.float32, "float64": torch.float64, "float16": torch.float16,

@@ -14,7 +14,7 @@ from torch import nn
 
 import ringreduce
 from ringreduce import comm
-from ringreduce.dp import WrappedTrainer, WrapperUnavailable
+from ringreduce.train.trainers import WrappedTrainer, WrapperUnavailable
 
 CPU = torch.device("cpu")
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(),
@@ -372,7 +372,7 @@ def test_without_a_gpu_and_device_ids_the_module_is_called_directly():
 # ---------------------------------------------------------------- trainer
 
 def test_wrapped_trainer_follows_the_replica_trainer():
-    from ringreduce.dp import DataParallel as ReplicaTrainer
+    from ringreduce.train.trainers import DataParallel as ReplicaTrainer
 
     torch.manual_seed(7)
     model = nn.Sequential(nn.Conv2d(1, 3, 3), nn.BatchNorm2d(3), nn.ReLU(), nn.Flatten(),

@@ -15,11 +15,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from ringreduce.data import (FASHION_MNIST_FILES, load_fashion_mnist, minibatches, read_idx,
-                             synthetic_dataset)
-from ringreduce.dp import (DataParallel, NcclUnavailable, bucket_indices, make_all_reduce,
-                           naive_all_reduce, nccl_skip_reason, parse_devices)
-from ringreduce.models import resnet18
+from ringreduce.train.data import (FASHION_MNIST_FILES, load_fashion_mnist, minibatches,
+                                   read_idx, synthetic_dataset)
+from ringreduce.train.models import resnet18
+from ringreduce.train.trainers import (DataParallel, NcclUnavailable, bucket_indices,
+                                       make_all_reduce, naive_all_reduce, nccl_skip_reason,
+                                       parse_devices)
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(),

@@ -18,11 +18,11 @@ import time
 import torch
 
 from .data import load_fashion_mnist, minibatches, synthetic_dataset
-from .dp import (DEFAULT_BUCKET_MB, METHODS, WRAPPERS, DataParallel, NcclUnavailable,
-                 WrappedTrainer, WrapperUnavailable, nn_dataparallel_skip_reason,
-                 parse_devices)
 from .models import resnet18
 from .nccl import NcclLibraryError, describe_route, preload_requested_library
+from .trainers import (DEFAULT_BUCKET_MB, METHODS, WRAPPERS, DataParallel, NcclUnavailable,
+                       WrappedTrainer, WrapperUnavailable, nn_dataparallel_skip_reason,
+                       parse_devices)
 
 
 def build_parser():
@@ -135,8 +135,11 @@ def make_trainer(args, model, devices):
                           momentum=args.momentum)
 
 
-def train(args, out=sys.stdout, progress_stream=sys.stderr):
-    """Run the training the parsed `args` describe; returns the last epoch's test accuracy."""
+def train(args, out=None, progress_stream=None):
+    """Run the training the parsed `args` describe; returns the last epoch's test accuracy.
+    `out` and `progress_stream` default to sys.stdout and sys.stderr as they are at the call."""
+    out = sys.stdout if out is None else out
+    progress_stream = sys.stderr if progress_stream is None else progress_stream
     check_args(args)
     devices = parse_devices(args.device, args.ranks)
     if args.wrapper == "nn-dataparallel" and nn_dataparallel_skip_reason(devices):
@@ -207,7 +210,3 @@ def main(argv=None):
         print(f"ringreduce.train: {e}", file=sys.stderr)
         return 2
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

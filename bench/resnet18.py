@@ -13,7 +13,7 @@ rank holds bitwise the same values, within the fp32 summation error bound
 (N-1) * 2^-24 * sum_r |g_r| of the float64 sum, and within twice that bound of the other
 methods' results; #wrong counts the elements that fail.
 
-Part 2, the training step: DataParallel steps (forward and backward on every replica, the
+Part 2, the training step: ReplicaTrainer steps (forward and backward on every replica, the
 bucketed exchange, SGD) with each method; median step time, median time in the exchange and
 its share of the step. Then the same steps the d2l way, the model wrapped in
 ringreduce.DataParallel (row ring-dp: parameters broadcast at every forward and gradients
@@ -45,7 +45,7 @@ import torch.nn.functional as F  # noqa: E402
 
 from ringreduce.train.models import resnet18
 from ringreduce.train.nccl import NcclLibraryError, describe_route, preload_requested_library
-from ringreduce.train.trainers import (DEFAULT_BUCKET_MB, METHODS, DataParallel, NcclUnavailable,
+from ringreduce.train.trainers import (DEFAULT_BUCKET_MB, METHODS, NcclUnavailable, ReplicaTrainer,
                                        WrappedTrainer, bucket_indices, make_all_reduce,
                                        nccl_route, nn_dataparallel_skip_reason, parse_devices)
 
@@ -247,8 +247,8 @@ def bench_steps(args, devices, methods, wrappers=()):
     g = torch.Generator().manual_seed(args.seed)
     batches = [(torch.randn(args.batch_size, 1, args.image_size, args.image_size, generator=g),
                 torch.randint(0, 10, (args.batch_size,), generator=g)) for _ in range(steps)]
-    runs = [(m, lambda model, m=m: DataParallel(model, devices, m, lr=0.01,
-                                                bucket_mb=args.bucket_mb)) for m in methods]
+    runs = [(m, lambda model, m=m: ReplicaTrainer(model, devices, m, lr=0.01,
+                                                  bucket_mb=args.bucket_mb)) for m in methods]
     runs += [(WRAPPER_ROWS[w], lambda model, w=w: WrappedTrainer(model, devices, w, lr=0.01))
              for w in wrappers]
     rows, first_params = [], None

@@ -372,7 +372,7 @@ def test_without_a_gpu_and_device_ids_the_module_is_called_directly():
 # ---------------------------------------------------------------- trainer
 
 def test_wrapped_trainer_follows_the_replica_trainer():
-    from ringreduce.train.trainers import DataParallel as ReplicaTrainer
+    from ringreduce.train.trainers import ReplicaTrainer
 
     torch.manual_seed(7)
     model = nn.Sequential(nn.Conv2d(1, 3, 3), nn.BatchNorm2d(3), nn.ReLU(), nn.Flatten(),

@@ -1,4 +1,4 @@
-"""Tests for the data-parallel trainer: model, data, the DataParallel machinery, the CLI.
+"""Tests for the data-parallel trainer: model, data, the ReplicaTrainer machinery, the CLI.
 
 ResNet-18 is slow on the 2 CI cores, so every training test uses 8x8 images, a handful of
 samples and 1-3 steps.
@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from ringreduce.train.data import (FASHION_MNIST_FILES, load_fashion_mnist, minibatches,
                                    read_idx, synthetic_dataset)
 from ringreduce.train.models import resnet18
-from ringreduce.train.trainers import (DataParallel, NcclUnavailable, bucket_indices,
+from ringreduce.train.trainers import (NcclUnavailable, ReplicaTrainer, bucket_indices,
                                        make_all_reduce, naive_all_reduce, nccl_skip_reason,
                                        parse_devices)
 
@@ -276,7 +276,7 @@ def test_ring_training_matches_full_batch_single_replica(nranks, batch):
     # shards (3, 2, 2), covered by scaling each replica's summed loss by the full batch size.
     torch.manual_seed(0)
     model = resnet18(1, 10).double().eval()
-    dp = DataParallel(model, [torch.device("cpu")] * nranks, "ring", lr=0.05, momentum=0.9)
+    dp = ReplicaTrainer(model, [torch.device("cpu")] * nranks, "ring", lr=0.05, momentum=0.9)
     dp.eval()
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     for x, y in make_batches(3, batch, dtype=torch.float64):
@@ -298,7 +298,7 @@ def test_ring_training_with_batchnorm_statistics_per_replica():
     nranks, batch = 2, 8
     torch.manual_seed(1)
     model = resnet18(1, 10).double().train()
-    dp = DataParallel(model, [torch.device("cpu")] * nranks, "ring", lr=0.05)
+    dp = ReplicaTrainer(model, [torch.device("cpu")] * nranks, "ring", lr=0.05)
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
     for x, y in make_batches(2, batch, seed=1, dtype=torch.float64):
         reference_step(model, opt, x, y, shards=nranks)
@@ -322,8 +322,8 @@ def test_naive_and_ring_training_agree():
     runs = {}
     for method, bucket_mb in (("naive", 0), ("ring", 25)):
         torch.manual_seed(2)
-        dp = DataParallel(resnet18(1, 10), [torch.device("cpu")] * 2, method, lr=0.05,
-                          bucket_mb=bucket_mb)
+        dp = ReplicaTrainer(resnet18(1, 10), [torch.device("cpu")] * 2, method, lr=0.05,
+                            bucket_mb=bucket_mb)
         dp.time_comm = True
         losses = [dp.step(*batches[0])]
         after_first = [p.detach().clone() for p in dp.replicas[0].parameters()]
@@ -344,14 +344,14 @@ def test_naive_and_ring_training_agree():
 
 
 def test_step_rejects_a_batch_smaller_than_the_ranks():
-    dp = DataParallel(resnet18(1, 10), [torch.device("cpu")] * 3, "naive")
+    dp = ReplicaTrainer(resnet18(1, 10), [torch.device("cpu")] * 3, "naive")
     x, y = make_batches(1, 2)[0]
     with pytest.raises(ValueError, match="2 samples cannot feed 3 ranks"):
         dp.step(x, y)
 
 
 def test_step_detects_grads_detached_from_buckets():
-    dp = DataParallel(resnet18(1, 10), [torch.device("cpu")] * 2, "naive")
+    dp = ReplicaTrainer(resnet18(1, 10), [torch.device("cpu")] * 2, "naive")
     for p in dp.replicas[1].parameters():
         p.grad = None
     x, y = make_batches(1, 4)[0]
@@ -372,8 +372,8 @@ def test_cuda_simulated_ranks_match_cpu(method):
     batches = make_batches(2, 8, seed=4)
     torch.manual_seed(4)
     model = resnet18(1, 10)
-    cpu = DataParallel(model, [torch.device("cpu")] * ranks, "naive", lr=0.05)
-    gpu = DataParallel(model, devices, method, lr=0.05)
+    cpu = ReplicaTrainer(model, [torch.device("cpu")] * ranks, "naive", lr=0.05)
+    gpu = ReplicaTrainer(model, devices, method, lr=0.05)
     for x, y in batches:
         cpu.step(x, y)
         gpu.step(x, y)

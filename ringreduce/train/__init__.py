@@ -4,7 +4,7 @@ Not part of the library: ``import ringreduce`` loads none of it. The benchmarks 
 its pieces from here.
 
 - ``cli``: the command line (``main``), one epoch loop with a progress bar
-- ``trainers``: ``DataParallel`` (replicas in lockstep, gradients all-reduced by ring, nccl or
+- ``trainers``: ``ReplicaTrainer`` (replicas in lockstep, gradients all-reduced by ring, nccl or
   naive) and ``WrappedTrainer`` (the model in ringreduce.DataParallel or torch.nn.DataParallel)
 - ``data``: Fashion-MNIST from IDX files, or a synthetic image set
 - ``models``: ResNet-18 for small images

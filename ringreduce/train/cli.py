@@ -20,7 +20,7 @@ import torch
 from .data import load_fashion_mnist, minibatches, synthetic_dataset
 from .models import resnet18
 from .nccl import NcclLibraryError, describe_route, preload_requested_library
-from .trainers import (DEFAULT_BUCKET_MB, METHODS, WRAPPERS, DataParallel, NcclUnavailable,
+from .trainers import (DEFAULT_BUCKET_MB, METHODS, WRAPPERS, NcclUnavailable, ReplicaTrainer,
                        WrappedTrainer, WrapperUnavailable, nn_dataparallel_skip_reason,
                        parse_devices)
 
@@ -129,8 +129,8 @@ def check_args(args):
 
 def make_trainer(args, model, devices):
     if args.wrapper == "replicas":
-        return DataParallel(model, devices, all_reduce=args.allreduce, lr=args.lr,
-                            momentum=args.momentum, bucket_mb=args.bucket_mb)
+        return ReplicaTrainer(model, devices, all_reduce=args.allreduce, lr=args.lr,
+                              momentum=args.momentum, bucket_mb=args.bucket_mb)
     return WrappedTrainer(model, devices, wrapper=args.wrapper, lr=args.lr,
                           momentum=args.momentum)
 
@@ -156,7 +156,7 @@ def train(args, out=None, progress_stream=None):
            else f"wrapper={args.wrapper}")
     print(f"ResNet-18 on {data.describe()}; {len(devices)} ranks {device_list}, {how}, "
           f"batch {args.batch_size}, lr {args.lr}", file=out, flush=True)
-    if args.allreduce == "nccl":  # check_args: only with --wrapper replicas (a DataParallel)
+    if args.allreduce == "nccl":  # check_args: only with --wrapper replicas (a ReplicaTrainer)
         print(f"NCCL: {describe_route(*dp.nccl)}", file=out, flush=True)
     shuffle = torch.Generator().manual_seed(args.seed)
     steps = (len(data.train_y) + args.batch_size - 1) // args.batch_size

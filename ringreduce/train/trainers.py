@@ -243,7 +243,7 @@ class _Ranks:
                 torch.cuda.synchronize(d)
 
 
-class DataParallel(_Ranks):
+class ReplicaTrainer(_Ranks):
     """Replicas of `model` on `devices`, trained in lockstep with a swappable gradient all-reduce.
 
     step(x, y) splits the minibatch across the replicas, runs forward and backward on every
@@ -457,7 +457,7 @@ def nn_dataparallel_skip_reason(devices):
 class WrappedTrainer(_Ranks):
     """The d2l way: ``model`` on the first rank's device, wrapped in ringreduce.DataParallel
     ("dataparallel") or torch.nn.DataParallel ("nn-dataparallel") over ``devices``, with one
-    SGD optimizer over the wrapper's parameters. The interface of DataParallel above.
+    SGD optimizer over the wrapper's parameters. The interface of ReplicaTrainer above.
 
     step(x, y) is d2l's loop body: zero_grad, the wrapper's forward (scatter, replicate,
     parallel apply, gather), the full-batch mean cross-entropy, backward (the replicas'

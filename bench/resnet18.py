@@ -45,6 +45,7 @@ import torch.nn.functional as F  # noqa: E402
 
 from ringreduce.train.models import resnet18
 from ringreduce.train.nccl import NcclLibraryError, describe_route, preload_requested_library
+from ringreduce.train.progress import Progress, add_quiet_argument
 from ringreduce.train.trainers import (DEFAULT_BUCKET_MB, METHODS, NcclUnavailable, ReplicaTrainer,
                                        WrappedTrainer, bucket_indices, make_all_reduce,
                                        nccl_route, nn_dataparallel_skip_reason, parse_devices)
@@ -80,6 +81,7 @@ def parse_args(argv=None):
                    help="height and width of the 1-channel images (Fashion-MNIST: 28)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", default=None, metavar="PATH", help="write results and config here")
+    add_quiet_argument(p)
     args = p.parse_args(argv)
     args.methods = [m.strip() for m in args.methods.split(",") if m.strip()]
     for m in args.methods:
@@ -204,17 +206,20 @@ def bench_exchange(args, devices, methods):
             calls = [[t.clone() for t in call] for call in pristine]
             watch = Stopwatch(devices)
             times = []
-            for it in range(args.warmup + args.iters):
-                for call, orig in zip(calls, pristine):
-                    for t, o in zip(call, orig):
-                        t.copy_(o)
-                synchronize(devices)
-                watch.start()
-                for call in calls:
-                    fn(call)
-                elapsed = watch.stop()
-                if it >= args.warmup:
-                    times.append(elapsed)
+            with Progress(args.warmup + args.iters, f"{method} {layout}", quiet=args.quiet,
+                          leave=False) as bar:
+                for it in range(args.warmup + args.iters):
+                    for call, orig in zip(calls, pristine):
+                        for t, o in zip(call, orig):
+                            t.copy_(o)
+                    synchronize(devices)
+                    watch.start()
+                    for call in calls:
+                        fn(call)
+                    elapsed = watch.stop()
+                    if it >= args.warmup:
+                        times.append(elapsed)
+                    bar.update()
             per_rank = in_parameter_order(calls, layout, grads[0], args.bucket_mb)
             wrong = exchange_check(per_rank, reference, bound, done)
             done.append(per_rank[0])
@@ -260,16 +265,19 @@ def bench_steps(args, devices, methods, wrappers=()):
         dp = make(resnet18(1, 10))
         model = dp.model if isinstance(dp, WrappedTrainer) else dp.replicas[0]
         step_times = []
-        for i, (x, y) in enumerate(batches):
-            dp.time_comm = i >= args.step_warmup
-            synchronize(devices)
-            start = time.perf_counter()
-            dp.step(x, y)
-            dp.synchronize()
-            if dp.time_comm:
-                step_times.append(time.perf_counter() - start)
-            if i == 0:
-                params = [p.detach().cpu().clone() for p in model.parameters()]
+        with Progress(len(batches), f"{label} steps", quiet=args.quiet, leave=False,
+                      unit="step") as bar:
+            for i, (x, y) in enumerate(batches):
+                dp.time_comm = i >= args.step_warmup
+                synchronize(devices)
+                start = time.perf_counter()
+                dp.step(x, y)
+                dp.synchronize()
+                if dp.time_comm:
+                    step_times.append(time.perf_counter() - start)
+                if i == 0:
+                    params = [p.detach().cpu().clone() for p in model.parameters()]
+                bar.update()
         comm_times = dp.pop_comm_seconds()
         wrong = 0
         for m in getattr(dp, "replicas", [model])[1:]:

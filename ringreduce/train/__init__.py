@@ -9,6 +9,7 @@ its pieces from here.
 - ``data``: Fashion-MNIST from IDX files, or a synthetic image set
 - ``models``: ResNet-18 for small images
 - ``nccl``: which libnccl runs, and libnccl called directly for ranks sharing a GPU
+- ``progress``: tqdm progress bars on stderr (only on a terminal), for bench/ too
 """
 
 from .cli import main

@@ -97,5 +97,8 @@ setup(
     ext_modules=make_extensions(),
     cmdclass={"build_ext": cpp_extension.BuildExtension},
     python_requires=">=3.9",
+    # The progress bars of python -m ringreduce.train and bench/ (they run without it). torch
+    # is not listed: the build uses the torch already installed.
+    install_requires=["tqdm"],
     zip_safe=False,
 )

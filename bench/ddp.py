@@ -273,7 +273,7 @@ def _rank_body(rank, world, backend, store, args):
             del bufs, expect
 
     if not args.skip_ddp:
-        from ringreduce.models import resnet18
+        from ringreduce.train.models import resnet18
 
         torch.manual_seed(0)
         model = resnet18(in_channels=3, num_classes=10).to(device)
@@ -343,8 +343,8 @@ def nccl_unavailable(args):
     import torch.distributed as dist
     if not dist.is_nccl_available():
         return "this torch has no NCCL"
-    from ringreduce.nccl import (MULTI_RANK_MIN_VERSION, NEWER_NCCL_HINT, requested_library,
-                                 torch_nccl_library)
+    from ringreduce.train.nccl import (MULTI_RANK_MIN_VERSION, NEWER_NCCL_HINT,
+                                       requested_library, torch_nccl_library)
     ngpus = torch.cuda.device_count()
     if args.ranks > ngpus:
         library = torch_nccl_library()
@@ -403,8 +403,8 @@ def main(argv=None):
     args = parse_args(sys.argv[1:] if argv is None else argv)
     import torch
 
-    from ringreduce.nccl import (NcclLibraryError, describe_route, preload_requested_library,
-                                 torch_nccl_library)
+    from ringreduce.train.nccl import (NcclLibraryError, describe_route,
+                                       preload_requested_library, torch_nccl_library)
     if argv is None and "nccl" in args.backends and args.device == "cuda":
         # With RINGREDUCE_NCCL_LIB: start again with it preloaded; the spawned ranks inherit
         # LD_PRELOAD, so the nccl backend runs that library.

@@ -13,7 +13,7 @@ rank holds bitwise the same values, within the fp32 summation error bound
 (N-1) * 2^-24 * sum_r |g_r| of the float64 sum, and within twice that bound of the other
 methods' results; #wrong counts the elements that fail.
 
-Part 2, the training step: DataParallel steps (forward and backward on every replica, the
+Part 2, the training step: ReplicaTrainer steps (forward and backward on every replica, the
 bucketed exchange, SGD) with each method; median step time, median time in the exchange and
 its share of the step. Then the same steps the d2l way, the model wrapped in
 ringreduce.DataParallel (row ring-dp: parameters broadcast at every forward and gradients
@@ -43,11 +43,12 @@ import common  # noqa: E402  (bench/ is not a package; common.py sits beside thi
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from ringreduce.dp import (DEFAULT_BUCKET_MB, METHODS, DataParallel, NcclUnavailable,
-                           WrappedTrainer, bucket_indices, make_all_reduce, nccl_route,
-                           nn_dataparallel_skip_reason, parse_devices)
-from ringreduce.models import resnet18
-from ringreduce.nccl import NcclLibraryError, describe_route, preload_requested_library
+from ringreduce.train.models import resnet18
+from ringreduce.train.nccl import NcclLibraryError, describe_route, preload_requested_library
+from ringreduce.train.progress import Progress, add_quiet_argument
+from ringreduce.train.trainers import (DEFAULT_BUCKET_MB, METHODS, NcclUnavailable, ReplicaTrainer,
+                                       WrappedTrainer, bucket_indices, make_all_reduce,
+                                       nccl_route, nn_dataparallel_skip_reason, parse_devices)
 
 FP32_UNIT_ROUNDOFF = 2.0 ** -24
 # Step rows for the module wrappers: ringreduce.DataParallel and torch.nn.DataParallel.
@@ -80,6 +81,7 @@ def parse_args(argv=None):
                    help="height and width of the 1-channel images (Fashion-MNIST: 28)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", default=None, metavar="PATH", help="write results and config here")
+    add_quiet_argument(p)
     args = p.parse_args(argv)
     args.methods = [m.strip() for m in args.methods.split(",") if m.strip()]
     for m in args.methods:
@@ -204,17 +206,20 @@ def bench_exchange(args, devices, methods):
             calls = [[t.clone() for t in call] for call in pristine]
             watch = Stopwatch(devices)
             times = []
-            for it in range(args.warmup + args.iters):
-                for call, orig in zip(calls, pristine):
-                    for t, o in zip(call, orig):
-                        t.copy_(o)
-                synchronize(devices)
-                watch.start()
-                for call in calls:
-                    fn(call)
-                elapsed = watch.stop()
-                if it >= args.warmup:
-                    times.append(elapsed)
+            with Progress(args.warmup + args.iters, f"{method} {layout}", quiet=args.quiet,
+                          leave=False) as bar:
+                for it in range(args.warmup + args.iters):
+                    for call, orig in zip(calls, pristine):
+                        for t, o in zip(call, orig):
+                            t.copy_(o)
+                    synchronize(devices)
+                    watch.start()
+                    for call in calls:
+                        fn(call)
+                    elapsed = watch.stop()
+                    if it >= args.warmup:
+                        times.append(elapsed)
+                    bar.update()
             per_rank = in_parameter_order(calls, layout, grads[0], args.bucket_mb)
             wrong = exchange_check(per_rank, reference, bound, done)
             done.append(per_rank[0])
@@ -247,8 +252,8 @@ def bench_steps(args, devices, methods, wrappers=()):
     g = torch.Generator().manual_seed(args.seed)
     batches = [(torch.randn(args.batch_size, 1, args.image_size, args.image_size, generator=g),
                 torch.randint(0, 10, (args.batch_size,), generator=g)) for _ in range(steps)]
-    runs = [(m, lambda model, m=m: DataParallel(model, devices, m, lr=0.01,
-                                                bucket_mb=args.bucket_mb)) for m in methods]
+    runs = [(m, lambda model, m=m: ReplicaTrainer(model, devices, m, lr=0.01,
+                                                  bucket_mb=args.bucket_mb)) for m in methods]
     runs += [(WRAPPER_ROWS[w], lambda model, w=w: WrappedTrainer(model, devices, w, lr=0.01))
              for w in wrappers]
     rows, first_params = [], None
@@ -260,16 +265,19 @@ def bench_steps(args, devices, methods, wrappers=()):
         dp = make(resnet18(1, 10))
         model = dp.model if isinstance(dp, WrappedTrainer) else dp.replicas[0]
         step_times = []
-        for i, (x, y) in enumerate(batches):
-            dp.time_comm = i >= args.step_warmup
-            synchronize(devices)
-            start = time.perf_counter()
-            dp.step(x, y)
-            dp.synchronize()
-            if dp.time_comm:
-                step_times.append(time.perf_counter() - start)
-            if i == 0:
-                params = [p.detach().cpu().clone() for p in model.parameters()]
+        with Progress(len(batches), f"{label} steps", quiet=args.quiet, leave=False,
+                      unit="step") as bar:
+            for i, (x, y) in enumerate(batches):
+                dp.time_comm = i >= args.step_warmup
+                synchronize(devices)
+                start = time.perf_counter()
+                dp.step(x, y)
+                dp.synchronize()
+                if dp.time_comm:
+                    step_times.append(time.perf_counter() - start)
+                if i == 0:
+                    params = [p.detach().cpu().clone() for p in model.parameters()]
+                bar.update()
         comm_times = dp.pop_comm_seconds()
         wrong = 0
         for m in getattr(dp, "replicas", [model])[1:]:

@@ -37,9 +37,10 @@ if _HERE not in sys.path:
 
 import common  # noqa: E402  (bench/ is not a package; common.py sits beside this file)
 import torch  # noqa: E402
-from ringreduce.nccl import (MULTI_RANK_MIN_VERSION, NCCL_LIB_ENV, NCCL_OPS,  # noqa: E402
-                             NEWER_NCCL_HINT, LibNccl, NcclLibraryError, load_libnccl,
-                             preload_requested_library, requested_library, torch_nccl_library)
+from ringreduce.train.nccl import (  # noqa: E402
+    MULTI_RANK_MIN_VERSION, NCCL_LIB_ENV, NCCL_OPS, NEWER_NCCL_HINT, LibNccl, NcclLibraryError,
+    load_libnccl, preload_requested_library, requested_library, torch_nccl_library)
+from ringreduce.train.progress import Progress, add_quiet_argument  # noqa: E402
 
 DTYPES = {
     "float32": torch.float32, "float64": torch.float64, "float16": torch.float16,
@@ -172,6 +173,7 @@ def parse_args(argv):
     p.add_argument("--graph", action="store_true",
                    help="also time ringreduce replayed from a CUDA graph (ranks on one GPU, "
                         "one stream): the column ringreduce-graph")
+    add_quiet_argument(p)
     p.add_argument(NCCL_PROBE_FLAG, action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     return p, args
@@ -820,11 +822,19 @@ def main(argv=None, out=None) -> int:
     rows = []
     running = list(impls)
     try:
-        for size in cfg.sizes:
-            row = measure_size(cfg, running, size, cache_bytes, copy_bw, outcome, log)
-            rows.append(row)
-            keys, cells = table_cells(row, impl_names, unavailable, copy_bw is not None)
-            log(table.row(keys, cells))
+        with Progress(len(cfg.sizes), "sizes", quiet=args.quiet, leave=False,
+                      unit="size") as bar:
+            def log_above_bar(line=""):
+                with bar.hidden():
+                    log(line)
+
+            for size in cfg.sizes:
+                row = measure_size(cfg, running, size, cache_bytes, copy_bw, outcome,
+                                   log_above_bar)
+                rows.append(row)
+                keys, cells = table_cells(row, impl_names, unavailable, copy_bw is not None)
+                log_above_bar(table.row(keys, cells))
+                bar.update()
     finally:
         for impl in impls:
             if impl.close is not None:

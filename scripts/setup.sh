@@ -15,6 +15,13 @@ if [ ${#missing[@]} -gt 0 ]; then
   echo "setup: installing ${missing[*]}"
   $PY -m pip install -q "${missing[@]}"
 fi
+# tqdm draws the trainer's and the benchmarks' progress bars; without it (offline) they run
+# without bars, so a failed install only warns.
+if ! $PY -c "import tqdm" 2>/dev/null; then
+  echo "setup: installing tqdm"
+  $PY -m pip install -q --retries 1 --timeout 15 tqdm \
+    || echo "setup: warning: tqdm could not be installed; the trainer and bench/ run without bars" >&2
+fi
 
 # No build isolation: the build needs the installed torch, and must work without network.
 $PY -m pip install -q --no-build-isolation --no-deps --use-pep517 -e .

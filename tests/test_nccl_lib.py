@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from ringreduce.nccl import (NCCL_LIB_ENV, PRELOADED_ENV, NcclLibrary, NcclLibraryError,
-                             describe_route, load_libnccl, preload_requested_library)
+from ringreduce.train.nccl import (NCCL_LIB_ENV, PRELOADED_ENV, NcclLibrary, NcclLibraryError,
+                                   describe_route, load_libnccl, preload_requested_library)
 
 ROOT = Path(__file__).resolve().parents[1]
 CHILD_TIMEOUT_S = 120
@@ -73,7 +73,7 @@ def last_json(res):
 
 LOAD = """
 import json
-from ringreduce.nccl import load_libnccl
+from ringreduce.train.nccl import load_libnccl
 lib, library = load_libnccl()
 print(json.dumps({**library.as_dict(), "describe": library.describe()}))
 """
@@ -107,8 +107,8 @@ def test_a_named_file_without_ncclGetVersion_is_an_error(fakes):
 PRELOAD = """
 import json, os, sys
 print("START", flush=True)
-from ringreduce.nccl import (mapped_libnccl, preload_requested_library, requested_mismatch,
-                             torch_nccl_library)
+from ringreduce.train.nccl import (mapped_libnccl, preload_requested_library,
+                                   requested_mismatch, torch_nccl_library)
 preload_requested_library()
 new, old = torch_nccl_library((2, 31, 2)), torch_nccl_library((2, 27, 3))
 print(json.dumps({"LD_PRELOAD": os.environ.get("LD_PRELOAD"), "mapped": mapped_libnccl(),
@@ -217,7 +217,7 @@ def test_ring_bench_names_an_old_named_library_in_its_column(fakes):
 
 SKIP_REASON = """
 import json, torch
-from ringreduce.dp import nccl_skip_reason
+from ringreduce.train.trainers import nccl_skip_reason
 torch._C._nccl_all_reduce = object()  # pretend this CPU torch has NCCL
 print(json.dumps(nccl_skip_reason([torch.device("cuda", 0)] * 2)))
 """

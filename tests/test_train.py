@@ -1,25 +1,29 @@
-"""Tests for the data-parallel trainer: model, data, the DataParallel machinery, the CLI.
+"""Tests for the data-parallel trainer: model, data, the ReplicaTrainer machinery, the CLI.
 
 ResNet-18 is slow on the 2 CI cores, so every training test uses 8x8 images, a handful of
 samples and 1-3 steps.
 """
 import gzip
+import io
 import os
 import re
 import struct
 import subprocess
 import sys
+import threading
 
 import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
 
-from ringreduce.data import (FASHION_MNIST_FILES, load_fashion_mnist, minibatches, read_idx,
-                             synthetic_dataset)
-from ringreduce.dp import (DataParallel, NcclUnavailable, bucket_indices, make_all_reduce,
-                           naive_all_reduce, nccl_skip_reason, parse_devices)
-from ringreduce.models import resnet18
+from ringreduce.train.data import (FASHION_MNIST_FILES, load_fashion_mnist, minibatches,
+                                   read_idx, synthetic_dataset)
+from ringreduce.train import progress
+from ringreduce.train.models import resnet18
+from ringreduce.train.trainers import (NcclUnavailable, ReplicaTrainer, bucket_indices,
+                                       make_all_reduce, naive_all_reduce, nccl_skip_reason,
+                                       parse_devices)
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(),
@@ -275,7 +279,7 @@ def test_ring_training_matches_full_batch_single_replica(nranks, batch):
     # shards (3, 2, 2), covered by scaling each replica's summed loss by the full batch size.
     torch.manual_seed(0)
     model = resnet18(1, 10).double().eval()
-    dp = DataParallel(model, [torch.device("cpu")] * nranks, "ring", lr=0.05, momentum=0.9)
+    dp = ReplicaTrainer(model, [torch.device("cpu")] * nranks, "ring", lr=0.05, momentum=0.9)
     dp.eval()
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     for x, y in make_batches(3, batch, dtype=torch.float64):
@@ -297,7 +301,7 @@ def test_ring_training_with_batchnorm_statistics_per_replica():
     nranks, batch = 2, 8
     torch.manual_seed(1)
     model = resnet18(1, 10).double().train()
-    dp = DataParallel(model, [torch.device("cpu")] * nranks, "ring", lr=0.05)
+    dp = ReplicaTrainer(model, [torch.device("cpu")] * nranks, "ring", lr=0.05)
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
     for x, y in make_batches(2, batch, seed=1, dtype=torch.float64):
         reference_step(model, opt, x, y, shards=nranks)
@@ -321,8 +325,8 @@ def test_naive_and_ring_training_agree():
     runs = {}
     for method, bucket_mb in (("naive", 0), ("ring", 25)):
         torch.manual_seed(2)
-        dp = DataParallel(resnet18(1, 10), [torch.device("cpu")] * 2, method, lr=0.05,
-                          bucket_mb=bucket_mb)
+        dp = ReplicaTrainer(resnet18(1, 10), [torch.device("cpu")] * 2, method, lr=0.05,
+                            bucket_mb=bucket_mb)
         dp.time_comm = True
         losses = [dp.step(*batches[0])]
         after_first = [p.detach().clone() for p in dp.replicas[0].parameters()]
@@ -343,14 +347,14 @@ def test_naive_and_ring_training_agree():
 
 
 def test_step_rejects_a_batch_smaller_than_the_ranks():
-    dp = DataParallel(resnet18(1, 10), [torch.device("cpu")] * 3, "naive")
+    dp = ReplicaTrainer(resnet18(1, 10), [torch.device("cpu")] * 3, "naive")
     x, y = make_batches(1, 2)[0]
     with pytest.raises(ValueError, match="2 samples cannot feed 3 ranks"):
         dp.step(x, y)
 
 
 def test_step_detects_grads_detached_from_buckets():
-    dp = DataParallel(resnet18(1, 10), [torch.device("cpu")] * 2, "naive")
+    dp = ReplicaTrainer(resnet18(1, 10), [torch.device("cpu")] * 2, "naive")
     for p in dp.replicas[1].parameters():
         p.grad = None
     x, y = make_batches(1, 4)[0]
@@ -371,8 +375,8 @@ def test_cuda_simulated_ranks_match_cpu(method):
     batches = make_batches(2, 8, seed=4)
     torch.manual_seed(4)
     model = resnet18(1, 10)
-    cpu = DataParallel(model, [torch.device("cpu")] * ranks, "naive", lr=0.05)
-    gpu = DataParallel(model, devices, method, lr=0.05)
+    cpu = ReplicaTrainer(model, [torch.device("cpu")] * ranks, "naive", lr=0.05)
+    gpu = ReplicaTrainer(model, devices, method, lr=0.05)
     for x, y in batches:
         cpu.step(x, y)
         gpu.step(x, y)
@@ -422,7 +426,96 @@ def test_cli_synthetic_run_prints_the_epoch_lines():
     for m in lines:
         assert 0.0 <= float(m.group(1)) <= 1.0
         assert m.group(3) == "cpu, cpu"
-    assert "epoch 2/2 [" in proc.stderr and "2/2 loss" in proc.stderr
+    assert "epoch" not in proc.stderr  # no progress bar: stderr is not a terminal
+
+
+def run_cli_on_terminal(*args, columns=100):
+    """The CLI with stderr on a pseudo-terminal of `columns` columns; (process, stderr)."""
+    import fcntl
+    import pty
+    import termios
+
+    master, slave = pty.openpty()
+    fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 24, columns, 0, 0))
+    chunks = []
+
+    def drain():  # the terminal's buffer is small: read while the CLI writes
+        while True:
+            try:
+                data = os.read(master, 4096)
+            except OSError:  # EIO once the last writer has closed the terminal
+                return
+            if not data:
+                return
+            chunks.append(data)
+
+    reader = threading.Thread(target=drain)
+    reader.start()
+    try:
+        env = dict(os.environ, OMP_NUM_THREADS="2")
+        proc = subprocess.run([sys.executable, "-m", "ringreduce.train", *args], cwd=REPO,
+                              env=env, stdout=subprocess.PIPE, stderr=slave, text=True,
+                              timeout=300)
+    finally:
+        os.close(slave)
+        reader.join(timeout=30)
+        os.close(master)
+    return proc, b"".join(chunks).decode("utf-8", "replace")
+
+
+def test_cli_draws_a_progress_bar_on_a_terminal_unless_quiet():
+    pytest.importorskip("tqdm")
+    args = ("--device", "cpu", "--ranks", "2", "--epochs", "1", "--batch-size", "8",
+            "--train-size", "16", "--test-size", "8", "--image-size", "8",
+            "--allreduce", "naive", "--lr", "0.01")
+    proc, err = run_cli_on_terminal(*args)
+    assert proc.returncode == 0, err
+    # tqdm's last state of the epoch's bar: 2 steps of 2, the mean loss as its postfix.
+    assert re.search(r"epoch 1/1: 100%\|.*\| 2/2 \[.*loss \d\.\d{3}\]", err), err
+    lines = proc.stdout.splitlines()
+    assert len(lines) == 2 and lines[0].startswith("ResNet-18 on synthetic") \
+        and LINE.match(lines[1]), proc.stdout  # stdout as without a terminal
+    proc, err = run_cli_on_terminal(*args, "--quiet")
+    assert proc.returncode == 0, err
+    assert "epoch" not in err and "%" not in err
+
+
+class Terminal(io.StringIO):
+    def isatty(self):
+        return True
+
+
+def test_progress_without_tqdm_runs_without_a_bar_and_says_so_once(monkeypatch):
+    monkeypatch.setitem(sys.modules, "tqdm", None)  # `from tqdm import tqdm` raises ImportError
+    monkeypatch.setattr(progress, "_said_missing", False)
+    pipe = io.StringIO()
+    with progress.Progress(3, "quiet pipe", stream=pipe) as bar:
+        bar.update(postfix=lambda: pytest.fail("postfix computed without a bar"))
+    assert pipe.getvalue() == "" and not bar.shown  # no terminal: not even the notice
+    term = Terminal()
+    for _ in range(2):
+        with progress.Progress(3, "no tqdm", stream=term) as bar:
+            assert not bar.shown
+            for _ in range(3):
+                bar.update(postfix=lambda: pytest.fail("postfix computed without a bar"))
+            with bar.hidden():
+                pass
+    assert term.getvalue().count("\n") == 1 and "tqdm is not installed" in term.getvalue()
+
+
+def test_progress_bar_on_a_terminal():
+    pytest.importorskip("tqdm")
+    term = Terminal()
+    calls = []
+    with progress.Progress(4, "sizes", stream=term, unit="size") as bar:
+        assert bar.shown
+        for i in range(4):
+            bar.update(postfix=lambda i=i: calls.append(i) or f"at {i}")
+            with bar.hidden():
+                pass
+    assert calls[-1] == 3  # the last step's postfix is always shown
+    assert "sizes: 100%" in term.getvalue() and "4/4" in term.getvalue()
+    assert progress.Progress(4, "quiet", quiet=True, stream=Terminal()).shown is False
 
 
 def test_cli_fashion_mnist_files_with_ring(tmp_path):

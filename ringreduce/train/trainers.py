@@ -8,7 +8,7 @@ replica. The method is the only thing that differs between runs:
 - "ring":  ringreduce.all_reduce
 - "nccl":  NCCL through torch.cuda.nccl (one rank per GPU), or libnccl called directly when
            several ranks share a GPU (needs NCCL >= 2.30 and NCCL_MULTI_RANK_GPU_ENABLE=1; the
-           file RINGREDUCE_NCCL_LIB names when it is set, see ringreduce.nccl)
+           file RINGREDUCE_NCCL_LIB names when it is set, see ringreduce.train.nccl)
 - "naive": sum everything on rank 0, then copy the sum back to every rank (the textbook way)
 
 Gradients live in flat per-replica buckets (DDP's gradient_as_bucket_view): one all-reduce per
@@ -28,7 +28,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from .comm import pack_indices
+from ..comm import pack_indices
 from .nccl import (MULTI_RANK_MIN_VERSION, NEWER_NCCL_HINT, LibNccl, NcclLibraryError,
                    load_libnccl, requested_library, torch_nccl_library)
 
@@ -243,7 +243,7 @@ class _Ranks:
                 torch.cuda.synchronize(d)
 
 
-class DataParallel(_Ranks):
+class ReplicaTrainer(_Ranks):
     """Replicas of `model` on `devices`, trained in lockstep with a swappable gradient all-reduce.
 
     step(x, y) splits the minibatch across the replicas, runs forward and backward on every
@@ -457,7 +457,7 @@ def nn_dataparallel_skip_reason(devices):
 class WrappedTrainer(_Ranks):
     """The d2l way: ``model`` on the first rank's device, wrapped in ringreduce.DataParallel
     ("dataparallel") or torch.nn.DataParallel ("nn-dataparallel") over ``devices``, with one
-    SGD optimizer over the wrapper's parameters. The interface of DataParallel above.
+    SGD optimizer over the wrapper's parameters. The interface of ReplicaTrainer above.
 
     step(x, y) is d2l's loop body: zero_grad, the wrapper's forward (scatter, replicate,
     parallel apply, gather), the full-batch mean cross-entropy, backward (the replicas'
@@ -512,7 +512,7 @@ class WrappedTrainer(_Ranks):
             x, y = x.pin_memory(), y.pin_memory()
         timer = None
         if self.time_comm and self.wrapper == "dataparallel":
-            from .comm import CommTimer
+            from ..comm import CommTimer
 
             timer = CommTimer()
             self._timers.append(timer)

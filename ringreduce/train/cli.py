@@ -4,8 +4,9 @@
     python -m ringreduce.train --data ~/fashion-mnist --device cuda --ranks 4 --allreduce nccl
     python -m ringreduce.train --wrapper dataparallel            # the d2l way, on the ring
 
-Prints a progress bar during each epoch (stderr) and then, on stdout,
-`test acc: 0.91, 12.2 sec/epoch on [cuda:0, cuda:1]` (seconds of training, evaluation excluded).
+Prints, after each epoch, on stdout
+`test acc: 0.91, 12.2 sec/epoch on [cuda:0, cuda:1]` (seconds of training, evaluation excluded);
+during the epoch a tqdm progress bar on stderr when it is a terminal (none with --quiet).
 With --allreduce nccl it first says which NCCL runs (version, file, origin);
 RINGREDUCE_NCCL_LIB=/path/libnccl.so.2 picks another libnccl than torch's (the command restarts
 once with it in LD_PRELOAD).
@@ -18,11 +19,12 @@ import time
 import torch
 
 from .data import load_fashion_mnist, minibatches, synthetic_dataset
-from .dp import (DEFAULT_BUCKET_MB, METHODS, WRAPPERS, DataParallel, NcclUnavailable,
-                 WrappedTrainer, WrapperUnavailable, nn_dataparallel_skip_reason,
-                 parse_devices)
 from .models import resnet18
 from .nccl import NcclLibraryError, describe_route, preload_requested_library
+from .progress import Progress, add_quiet_argument
+from .trainers import (DEFAULT_BUCKET_MB, METHODS, WRAPPERS, NcclUnavailable, ReplicaTrainer,
+                       WrappedTrainer, WrapperUnavailable, nn_dataparallel_skip_reason,
+                       parse_devices)
 
 
 def build_parser():
@@ -68,43 +70,8 @@ def build_parser():
                    help="synthetic data: height and width of the images (default: %(default)s)")
     p.add_argument("--max-steps", type=int, default=None,
                    help="stop each epoch after this many steps (for smoke tests)")
+    add_quiet_argument(p)
     return p
-
-
-class ProgressBar:
-    """A one-line progress bar on stderr, redrawn at most 10 times a second on a terminal;
-    elsewhere (a log file, a pipe) one line per tenth of the epoch."""
-
-    def __init__(self, total, prefix, stream=sys.stderr, width=30):
-        self.total, self.prefix, self.stream, self.width = max(1, total), prefix, stream, width
-        self.tty = stream.isatty()
-        self.last_draw = 0.0
-        self.last_tenth = -1
-
-    def due(self, done):
-        """Whether update(done) would draw (so the caller computes the suffix only then)."""
-        if done >= self.total:
-            return True
-        if self.tty:
-            return time.monotonic() - self.last_draw >= 0.1
-        return 10 * done // self.total != self.last_tenth
-
-    def update(self, done, suffix=""):
-        if not self.due(done):
-            return
-        if self.tty:
-            end = "\n" if done >= self.total else ""
-            self.stream.write("\r" + self._line(done, suffix) + end)
-        else:
-            self.last_tenth = 10 * done // self.total
-            self.stream.write(self._line(done, suffix) + "\n")
-        self.stream.flush()
-        self.last_draw = time.monotonic()
-
-    def _line(self, done, suffix):
-        filled = self.width * done // self.total
-        bar = "#" * filled + "-" * (self.width - filled)
-        return f"{self.prefix} [{bar}] {done}/{self.total} {suffix}".rstrip()
 
 
 def load_data(args):
@@ -129,14 +96,17 @@ def check_args(args):
 
 def make_trainer(args, model, devices):
     if args.wrapper == "replicas":
-        return DataParallel(model, devices, all_reduce=args.allreduce, lr=args.lr,
-                            momentum=args.momentum, bucket_mb=args.bucket_mb)
+        return ReplicaTrainer(model, devices, all_reduce=args.allreduce, lr=args.lr,
+                              momentum=args.momentum, bucket_mb=args.bucket_mb)
     return WrappedTrainer(model, devices, wrapper=args.wrapper, lr=args.lr,
                           momentum=args.momentum)
 
 
-def train(args, out=sys.stdout, progress_stream=sys.stderr):
-    """Run the training the parsed `args` describe; returns the last epoch's test accuracy."""
+def train(args, out=None, progress_stream=None):
+    """Run the training the parsed `args` describe; returns the last epoch's test accuracy.
+    `out` and `progress_stream` default to sys.stdout and sys.stderr as they are at the call."""
+    out = sys.stdout if out is None else out
+    progress_stream = sys.stderr if progress_stream is None else progress_stream
     check_args(args)
     devices = parse_devices(args.device, args.ranks)
     if args.wrapper == "nn-dataparallel" and nn_dataparallel_skip_reason(devices):
@@ -153,7 +123,7 @@ def train(args, out=sys.stdout, progress_stream=sys.stderr):
            else f"wrapper={args.wrapper}")
     print(f"ResNet-18 on {data.describe()}; {len(devices)} ranks {device_list}, {how}, "
           f"batch {args.batch_size}, lr {args.lr}", file=out, flush=True)
-    if args.allreduce == "nccl":  # check_args: only with --wrapper replicas (a DataParallel)
+    if args.allreduce == "nccl":  # check_args: only with --wrapper replicas (a ReplicaTrainer)
         print(f"NCCL: {describe_route(*dp.nccl)}", file=out, flush=True)
     shuffle = torch.Generator().manual_seed(args.seed)
     steps = (len(data.train_y) + args.batch_size - 1) // args.batch_size
@@ -161,23 +131,23 @@ def train(args, out=sys.stdout, progress_stream=sys.stderr):
         steps = min(steps, args.max_steps)
     acc = 0.0
     for epoch in range(1, args.epochs + 1):
-        bar = ProgressBar(steps, f"epoch {epoch}/{args.epochs}", stream=progress_stream)
         dp.train()
         loss_sum, done = None, 0
         start = time.perf_counter()
-        for x, y in minibatches(data.train_x, data.train_y, args.batch_size, shuffle=True,
-                                generator=shuffle):
-            if done == steps:
-                break
-            if len(y) < len(devices):
-                # A last partial batch too small to give every rank a sample is dropped.
-                continue
-            loss = dp.step(x, y)
-            loss_sum = loss if loss_sum is None else loss_sum + loss
-            done += 1
-            if bar.due(done):
-                # .item() waits for the GPU, so the loss is read only when the bar is redrawn.
-                bar.update(done, f"loss {loss_sum.item() / done:.3f}")
+        with Progress(steps, f"epoch {epoch}/{args.epochs}", quiet=args.quiet, unit="step",
+                      stream=progress_stream) as bar:
+            for x, y in minibatches(data.train_x, data.train_y, args.batch_size, shuffle=True,
+                                    generator=shuffle):
+                if done == steps:
+                    break
+                if len(y) < len(devices):
+                    # A last partial batch too small to give every rank a sample is dropped.
+                    continue
+                loss = dp.step(x, y)
+                loss_sum = loss if loss_sum is None else loss_sum + loss
+                done += 1
+                # .item() waits for the GPU, so the loss is read only when the bar shows it.
+                bar.update(postfix=lambda: f"loss {loss_sum.item() / done:.3f}")
         dp.synchronize()
         seconds = time.perf_counter() - start
         acc = dp.evaluate(data.test_x, data.test_y)
@@ -207,7 +177,3 @@ def main(argv=None):
         print(f"ringreduce.train: {e}", file=sys.stderr)
         return 2
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -157,6 +157,18 @@ def cuda_copy_bandwidth(device: int, nbytes: int = GiB, iters: int = 20, warmup:
     return 2 * nbytes / t
 
 
+def cpu_copy_bandwidth(nbytes: int, iters: int = 8, warmup: int = 2) -> float:
+    """Host memory copy bandwidth in bytes/s counting bytes read plus bytes written
+    (2 * nbytes per copy_), median over `iters` torch copy_ calls of nbytes between two buffers,
+    with torch's current intra-op thread count (all cores by default). Choose nbytes well above
+    the last-level cache, or this measures the cache."""
+    import torch
+    src = torch.empty(nbytes, dtype=torch.uint8).fill_(0x5A)
+    dst = torch.empty_like(src).fill_(0)  # touch every page before timing
+    t = median(time_iterations(lambda i: dst.copy_(src), iters, warmup))
+    return 2 * nbytes / t
+
+
 # ---------------------------------------------------------------------------------------------
 # Describing the machine and the run.
 

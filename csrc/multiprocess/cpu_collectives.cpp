@@ -113,6 +113,7 @@ void small_all_reduce(HostGroup& g, const Ctx& ctx, void* data, int64_t count, D
     }
   }
   g.end_phase(1);
+  g.small_finished(ctx);
 }
 
 }  // namespace

@@ -219,6 +219,7 @@ HostGroup::HostGroup(int rank, int nranks, int64_t capacity, double timeout_s,
   h->waiters.store(0, std::memory_order_relaxed);
   h->waiting_for.store(-1, std::memory_order_relaxed);
   h->cuda_released.store(0, std::memory_order_relaxed);
+  h->small_done.store(0, std::memory_order_relaxed);
   h->p2p_bell.store(0, std::memory_order_relaxed);
   h->p2p_waiters.store(0, std::memory_order_relaxed);
   P2PCounters* counters = new (static_cast<char*>(p) + kHeaderBytes + size_t(capacity))
@@ -535,9 +536,16 @@ void HostGroup::check_not_failed(int peer, uint64_t target, const Ctx& ctx,
                                  const std::string& what) const {
   const Header* h = headers_[size_t(peer)];
   // A peer that published more than `target` finished this phase before it failed.
+  // The abort (a release store of `state`) comes after the peer's small_finished in its program
+  // order, so a rank that sees the abort also sees small_done.
   if (h->state.load(std::memory_order_acquire) == kAborted &&
-      h->progress.load(std::memory_order_acquire) <= target)
+      h->progress.load(std::memory_order_acquire) <= target &&
+      h->small_done.load(std::memory_order_acquire) < ctx.seq)
     raise_peer_problem(peer, target, ctx, what, Problem::Aborted);
+}
+
+void HostGroup::small_finished(const Ctx& ctx) {
+  headers_[size_t(rank_)]->small_done.store(ctx.seq, std::memory_order_release);
 }
 
 void HostGroup::wait_all(uint64_t target, const Ctx& ctx, const std::string& what) const {

@@ -106,6 +106,9 @@ struct alignas(64) Header {
   alignas(64) std::atomic<int32_t> waiting_for;  // the rank this one is blocked on, or -1
   alignas(64) std::atomic<uint32_t> state;    // kLive / kAborted / kClosed
   std::atomic<uint32_t> cuda_released;        // 1: holds no peer's IPC events or memory any more
+  // The number (Desc::seq) of the last one-round all-reduce this rank finished: a peer that
+  // finds this rank aborted tells "failed inside it" from "failed after it" (check_not_failed).
+  std::atomic<uint64_t> small_done;
   char message[1024];                         // why, when not kLive
   alignas(64) Desc desc;
   alignas(64) CudaArea cuda;
@@ -207,10 +210,14 @@ class HostGroup {
   void publish(uint64_t value);
   // Waits until rank `peer` has published `target`. `what` describes the step for messages.
   void wait(int peer, uint64_t target, const Ctx& ctx, const std::string& what) const;
-  // Throws like wait() if rank `peer` failed (is aborted) without getting past `target`. For a
-  // phase whose last need of a peer is its publish of `target` (the one-round all-reduce): a
-  // peer aborted right after it must still fail this collective, as a wait for it would.
+  // Throws like wait() if rank `peer` failed (is aborted) inside this collective: without getting
+  // past `target` and without having finished it (small_done). For a phase whose last need of a
+  // peer is its publish of `target` (the one-round all-reduce): a peer aborted while still in it
+  // must fail this collective, as a wait for it would; one aborted after finishing it must not.
   void check_not_failed(int peer, uint64_t target, const Ctx& ctx, const std::string& what) const;
+  // Records that this rank finished the one-round all-reduce `ctx` (before it returns, so before
+  // any later abort of this rank).
+  void small_finished(const Ctx& ctx);
   // Waits until every rank has published `target` (skipping this one).
   void wait_all(uint64_t target, const Ctx& ctx, const std::string& what) const;
 

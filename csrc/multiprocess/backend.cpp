@@ -664,10 +664,13 @@ class Engine : public std::enable_shared_from_this<Engine> {
     if (t.joinable()) t.join();
   }
 
+  // Only the progress thread waits on cv_ for `busy_`, and only with work pending (or to stop):
+  // waking it otherwise would cost a context switch per synchronous call on a core the peers
+  // need.
   void release() {
     const std::lock_guard<std::mutex> held(mu_);
     busy_ = false;
-    cv_.notify_all();
+    if (!pending_.empty() || stopping_) cv_.notify_all();
   }
 
   void loop() {

@@ -529,10 +529,10 @@ std::vector<std::string> reduce_scatter(const std::vector<at::Tensor>& inputs,
 
 // Test and measurement hook for the fused ring kernel (fused_cuda.h), not yet a path of
 // all_reduce: in-place all-reduce of `tensors` (one CUDA device, contiguous, same dtype and size)
-// on the device's current stream with `blocks_per_rank` blocks a rank (0: the suggested count),
-// the caller's zeroed uint8 `flags` tensor on that device and an `epoch` greater than every
-// earlier one on it. Synchronises and raises if the kernel reported a failure. Returns the
-// blocks per rank it used.
+// on the device's current stream with `blocks_per_rank` blocks a rank (0: the suggested count,
+// capped by what `flags` holds: rr::fused_blocks_per_rank in launch.h), the caller's zeroed
+// uint8 `flags` tensor on that device and an `epoch` greater than every earlier one on it.
+// Synchronises and raises if the kernel reported a failure. Returns the blocks per rank it used.
 int64_t fused_all_reduce(const std::vector<at::Tensor>& tensors, const std::string& op_name,
                          int64_t blocks_per_rank, const at::Tensor& flags, int64_t epoch,
                          double timeout_s) {
@@ -554,12 +554,13 @@ int64_t fused_all_reduce(const std::vector<at::Tensor>& tensors, const std::stri
   c10::cuda::CUDAGuard guard(tensors[0].device());
   const int nranks = int(tensors.size());
   const int64_t count = tensors[0].numel();
-  const int blocks = blocks_per_rank > 0
-                         ? int(blocks_per_rank)
-                         : rr::cuda::fused_blocks_per_rank(nranks, count, dtype, op);
-  TORCH_CHECK_VALUE(flags.numel() >= rr::fused_flags_bytes(nranks, blocks), fn, ": flags holds ",
-                    flags.numel(), " bytes; ", nranks, " ranks x ", blocks, " blocks need ",
-                    rr::fused_flags_bytes(nranks, blocks));
+  int blocks = 0;
+  try {
+    blocks = rr::cuda::fused_blocks_per_rank(int(std::min<int64_t>(blocks_per_rank, 1 << 30)),
+                                             nranks, count, dtype, op, flags.numel());
+  } catch (const std::invalid_argument& e) {
+    TORCH_CHECK_VALUE(false, fn, ": ", e.what());
+  }
   const std::vector<void*> ptrs = pointers(tensors);
   std::vector<const void*> in(ptrs.begin(), ptrs.end());
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream().stream();

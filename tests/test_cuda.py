@@ -283,7 +283,10 @@ def test_collectives_distinct_gpus(dtype, nranks):
 def test_collectives_on_given_streams():
     """streams=[...] runs the collective on those streams, not on the current ones."""
     def on_given_streams(side, tensors):
-        outputs = [torch.full_like(t, float("nan")) for t in tensors]
+        # Poisoned on the side stream, where the ring writes them: filled on the current stream,
+        # which the side stream never waits for, the fill could land after the result.
+        with torch.cuda.stream(side):
+            outputs = [torch.full_like(t, float("nan")) for t in tensors]
         return ringreduce.all_reduce(tensors, outputs=outputs, streams=[side] * len(tensors))
 
     _check_inputs_produced_late(41, (1 << 20) + 3, on_given_streams)
@@ -294,6 +297,8 @@ def test_distinct_streams_on_a_shared_device_are_separate_lanes():
     devices"); the result is the broadcast, and each stream's later work sees it."""
     tensors = [torch.full((1 << 16) + 5, float(r + 1), device="cuda") for r in range(3)]
     streams = [torch.cuda.Stream(), torch.cuda.Stream(), None]
+    for s in streams[:2]:
+        s.wait_stream(torch.cuda.current_stream())  # the fills above are on the current stream
     ringreduce.broadcast(tensors, 0, streams=streams)
     for t, s in zip(tensors, streams):
         with torch.cuda.stream(s or torch.cuda.current_stream()):

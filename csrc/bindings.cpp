@@ -190,11 +190,36 @@ std::vector<void*> pointers(const std::vector<at::Tensor>& tensors) {
   return out;
 }
 
-// Scratch buffers for the partial results of ranks whose inputs must stay unchanged.
-std::vector<at::Tensor> workspaces(const std::vector<at::Tensor>& inputs, int skip) {
+#ifdef RINGREDUCE_WITH_CUDA
+// The stream rank r runs on: streams[r] if given, else its device's current stream.
+c10::cuda::CUDAStream rank_stream(const std::vector<at::Tensor>& ranks, const Streams& streams,
+                                  size_t r) {
+  if (!streams.empty() && streams[r]) return c10::cuda::CUDAStream(*streams[r]);
+  return c10::cuda::getCurrentCUDAStream(static_cast<c10::DeviceIndex>(ranks[r].get_device()));
+}
+#endif
+
+// Scratch buffers for the partial results of ranks whose inputs must stay unchanged. On CUDA
+// each comes from the caching allocator on the stream of the rank that writes it (as staging
+// does): allocated on the current stream, a block freed there while that stream's queued work
+// still reads it could be handed out, and a rank on another stream (streams=) would write it
+// before that work is done.
+std::vector<at::Tensor> workspaces(const std::vector<at::Tensor>& inputs, int skip,
+                                   const Streams& streams) {
   std::vector<at::Tensor> work;
   for (size_t r = 0; r < inputs.size(); ++r) {
-    work.push_back(int(r) == skip ? at::Tensor() : at::empty_like(inputs[r]));
+    if (int(r) == skip) {
+      work.emplace_back();
+      continue;
+    }
+#ifdef RINGREDUCE_WITH_CUDA
+    if (inputs[r].is_cuda()) {
+      c10::cuda::CUDAStreamGuard on(rank_stream(inputs, streams, r));
+      work.push_back(at::empty_like(inputs[r]));
+      continue;
+    }
+#endif
+    work.push_back(at::empty_like(inputs[r]));
   }
   return work;
 }
@@ -271,14 +296,11 @@ std::vector<std::string> execute(const rr::Plan& plan, rr::DType dtype, rr::Op o
   std::vector<c10::cuda::CUDAStream> lane_stream;
   std::vector<int> rank_lane;
   for (int r = 0; r < nranks; ++r) {
-    const auto dev = static_cast<c10::DeviceIndex>(ranks[r].get_device());
-    const c10::cuda::CUDAStream s = !streams.empty() && streams[r]
-                                        ? c10::cuda::CUDAStream(*streams[r])
-                                        : c10::cuda::getCurrentCUDAStream(dev);
+    const c10::cuda::CUDAStream s = rank_stream(ranks, streams, size_t(r));
     size_t l = 0;
     while (l < lane_stream.size() && lane_stream[l] != s) ++l;
     if (l == lane_stream.size()) {
-      lanes.push_back(rr::cuda::Lane{int(dev), s.stream()});
+      lanes.push_back(rr::cuda::Lane{int(s.device_index()), s.stream()});
       lane_stream.push_back(s);
     }
     rank_lane.push_back(int(l));
@@ -423,7 +445,7 @@ std::vector<std::string> reduce(const std::vector<at::Tensor>& inputs,
   check_device_support(fn, inputs);
   check_streams(fn, streams, inputs, "inputs");
 
-  const std::vector<at::Tensor> work = workspaces(inputs, root);
+  const std::vector<at::Tensor> work = workspaces(inputs, root, streams);
   const std::vector<void*> in_ptrs = pointers(inputs);
   std::vector<void*> work_ptrs;
   for (const at::Tensor& w : work) work_ptrs.push_back(w.defined() ? w.data_ptr() : nullptr);
@@ -517,7 +539,7 @@ std::vector<std::string> reduce_scatter(const std::vector<at::Tensor>& inputs,
   check_device_support(fn, inputs);
   check_streams(fn, streams, inputs, "inputs");
 
-  const std::vector<at::Tensor> work = workspaces(inputs, nranks == 1 ? 0 : -1);
+  const std::vector<at::Tensor> work = workspaces(inputs, nranks == 1 ? 0 : -1, streams);
   const std::vector<void*> in_ptrs = pointers(inputs), out_ptrs = pointers(outputs);
   std::vector<void*> work_ptrs;
   for (const at::Tensor& w : work) work_ptrs.push_back(w.defined() ? w.data_ptr() : nullptr);

@@ -284,6 +284,44 @@ def test_call_behind_a_sleep_returns_at_once(transport, virtual, monkeypatch):
         assert torch.equal(t.cpu(), expected), f"rank {r}"
 
 
+@needs_cuda
+@pytest.mark.parametrize("collective", ["reduce", "reduce_scatter"])
+def test_workspaces_come_from_the_ranks_streams(collective):
+    """reduce and reduce_scatter keep partial results in workspaces. Buffers the size of a
+    workspace are read on the current stream behind a 50 ms sleep and freed at once, and the
+    call runs on other streams (streams=) that do not wait for that: a workspace allocated on
+    the current stream would get their blocks and be written by the ranks before those reads
+    (issue 21, finding 2). Allocated on the rank's own stream, it cannot."""
+    n, count = 4, (1 << 18) + 5
+    numel = count * n if collective == "reduce_scatter" else count
+    g = torch.Generator().manual_seed(len(collective))
+    inputs = random_inputs(n, numel, torch.float32, "sum", generator=g)
+    tensors = [x.to(DEV, copy=True) for x in inputs]
+    if collective == "reduce":
+        outputs = [torch.empty(count, device=DEV)]
+    else:
+        outputs = [torch.empty(count, device=DEV) for _ in range(n)]
+    streams = _rank_streams(n)
+    _load_ring_kernels(n, torch.float32, ["sum"], streams)
+    cycles = sleep_cycles(0.05)
+    victims = [torch.full((numel,), float(r + 1), device=DEV) for r in range(n)]
+    torch.cuda._sleep(cycles)
+    snapshots = [v.clone() for v in victims]
+    del victims  # their blocks are free for the current stream's next allocations
+    if collective == "reduce":
+        ringreduce.reduce(tensors, outputs[0], root=0, streams=streams)
+        models = [ring_model(inputs, "sum")]
+    else:
+        ringreduce.reduce_scatter(tensors, outputs, streams=streams)
+        models = reduce_scatter_model(inputs, "sum")
+    torch.cuda.synchronize()
+    for r, snap in enumerate(snapshots):
+        assert torch.equal(snap, torch.full_like(snap, float(r + 1))), (
+            f"a buffer read on the current stream was overwritten (rank {r}'s workspace?)")
+    for r, (o, m) in enumerate(zip(outputs, models)):
+        assert_same_bits(o, m, f"{collective} result {r}")
+
+
 # ---------------------------------------------------------------------------------------------
 # Limits: 2^31 elements, 64 and 65 ranks
 

@@ -11,6 +11,7 @@
 #include <string>
 
 #include "cuda_check.h"
+#include "launch.h"
 
 namespace rr {
 namespace cuda {
@@ -85,8 +86,8 @@ void run(const Plan& plan, const int* rank_lane, int nranks, const Lane* lanes, 
   const int64_t esize = elem_size(dtype);
 
   // Which ranks read their predecessor through copies (into a staging slot for combine hops,
-  // straight into place for copy hops), the slot of each, and the size of one slot (the
-  // largest combine hop).
+  // straight into place for copy hops), the slot of each, and the stride of the slots (the
+  // largest combine hop, rounded up to keep every slot 16-byte aligned).
   std::vector<int> slot(size_t(nranks), -1);
   std::map<int, int> slots_on;
   for (int r = 0; r < nranks && nranks > 1; ++r) {
@@ -101,6 +102,7 @@ void run(const Plan& plan, const int* rank_lane, int nranks, const Lane* lanes, 
       }
     }
   }
+  slot_bytes = stage_slot_stride(slot_bytes);
   bool staged = false;
   for (const PlanStep& step : plan) {
     for (const Move& m : step.moves) {

@@ -127,21 +127,29 @@ rr::Plan make_plan(Coll c, std::vector<Rank>& ranks, int64_t count, int root, in
 }
 
 // A staging allocator like a stream-ordered caching allocator: a lane's buffer is reused by
-// the next call on that lane without any synchronisation, and replaced when too small.
+// the next call on that lane without any synchronisation, and replaced when too small. Buffers
+// are 16-byte aligned, as the caching allocator's are, and noted with the fake, which counts
+// staged reads the kernels could not take as 16-byte packs.
 struct Stager {
   std::map<cudaStream_t, Bytes*> current;
   std::vector<Bytes*> all;
   ~Stager() {
+    fake_forget_staging();
     for (Bytes* b : all) delete b;
+  }
+  static unsigned char* aligned(Bytes* b) {
+    const uintptr_t p = reinterpret_cast<uintptr_t>(b->data());
+    return b->data() + (16 - p % 16) % 16;
   }
   rr::cuda::StageAlloc alloc() {
     return [this](int, cudaStream_t s, size_t bytes) -> void* {
       Bytes*& b = current[s];
-      if (b == nullptr || b->size() < bytes) {
-        all.push_back(new Bytes(bytes, 0xAB));
+      if (b == nullptr || b->size() < bytes + 16) {
+        all.push_back(new Bytes(bytes + 16, 0xAB));
         b = all.back();
       }
-      return b->data();
+      fake_note_staging(aligned(b), bytes);
+      return aligned(b);
     };
   }
 };
@@ -360,8 +368,10 @@ int matrix() {
     }
   }
   const long stale = fake_stale_waits();
-  std::printf("matrix: %ld cases, %ld wrong, %ld stale waits\n", cases, bad, stale);
-  return bad == 0 && stale == 0 && cases > 0 ? 0 : 1;
+  const long misaligned = fake_misaligned_staged_reads();
+  std::printf("matrix: %ld cases, %ld wrong, %ld stale waits, %ld misaligned staged reads\n",
+              cases, bad, stale, misaligned);
+  return bad == 0 && stale == 0 && misaligned == 0 && cases > 0 ? 0 : 1;
 }
 
 // Whether a failed call queued nothing, or ended by joining its lanes: a record on every lane,

@@ -306,28 +306,31 @@ std::vector<std::string> execute(const rr::Plan& plan, rr::DType dtype, rr::Op o
     rank_lane.push_back(int(l));
   }
   // Direct reads of the predecessor need peer access, enabled through torch so that its
-  // allocator also maps expandable segments / memory pools for the peer. A pair whose access
+  // allocator also maps expandable segments / memory pools for the peer. The executor asks for
+  // it per pair of devices only after refusing a capture (cuda_executor.h). A pair whose access
   // cannot be enabled (get_p2p_access says no, or raises) is staged, and reported.
   std::vector<std::string> staged;
-  std::vector<uint8_t> direct(size_t(nranks), 1);
-  for (int r = 0; r < nranks; ++r) {
-    const int p = (r + nranks - 1) % nranks;
-    const auto rd = ranks[r].device().index(), pd = ranks[p].device().index();
-    if (rd == pd) continue;
+  const auto peer_access = [&](int device, int peer) {
     std::string why;
+    bool ok = false;
     try {
-      direct[size_t(r)] = at::cuda::get_p2p_access(rd, pd) ? 1 : 0;
+      ok = at::cuda::get_p2p_access(static_cast<c10::DeviceIndex>(device),
+                                    static_cast<c10::DeviceIndex>(peer));
     } catch (const c10::Error& e) {
-      direct[size_t(r)] = 0;
       why = e.what_without_backtrace();
       why = ": " + why.substr(0, why.find('\n'));
     }
-    if (!direct[size_t(r)]) {
-      staged.push_back("rank " + std::to_string(r) + " (cuda:" + std::to_string(rd) +
-                       ") <- rank " + std::to_string(p) + " (cuda:" + std::to_string(pd) + ")" +
-                       why);
+    if (!ok) {
+      for (int r = 0; r < nranks; ++r) {
+        const int p = (r + nranks - 1) % nranks;
+        if (ranks[r].get_device() != device || ranks[p].get_device() != peer) continue;
+        staged.push_back("rank " + std::to_string(r) + " (cuda:" + std::to_string(device) +
+                         ") <- rank " + std::to_string(p) + " (cuda:" + std::to_string(peer) +
+                         ")" + why);
+      }
     }
-  }
+    return ok;
+  };
   // Each buffer is last touched on its lanes (the exit barrier orders every lane after every
   // neighbour's reads); telling the caching allocator about one lane on the tensor's device
   // keeps a tensor the caller drops right away (and the workspaces, dropped on return) from
@@ -355,7 +358,7 @@ std::vector<std::string> execute(const rr::Plan& plan, rr::DType dtype, rr::Op o
   // (no host synchronisation, no growing raw allocation).
   std::vector<at::Tensor> stage_buffers;
   rr::cuda::RunOptions options;
-  options.direct = direct.data();
+  options.peer_access = peer_access;
   options.force_copy = transport == "copy";
   options.alloc = [&](int device, cudaStream_t stream, size_t bytes) -> void* {
     const auto dev = static_cast<c10::DeviceIndex>(device);

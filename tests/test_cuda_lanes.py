@@ -59,6 +59,10 @@ def test_an_error_partway_through_queuing_leaves_nothing_behind(driver):
 
 
 def test_capture_refuses_several_lanes_and_staging_before_queuing(driver):
+    """Refused under capture, queuing nothing: several lanes, staging, and a lane on the legacy
+    default stream while another stream captures (cudaStreamIsCapturing fails with
+    cudaErrorStreamCaptureImplicit: a refusal, not a CUDA error); and peer access is never asked
+    for under capture (enabling it could invalidate a global-mode capture)."""
     out = run(driver, "capture")
     captured, refused, wrong = map(int, re.search(
         r"capture: (\d+) captured, (\d+) refused, (\d+) wrong", out).groups())

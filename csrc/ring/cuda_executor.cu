@@ -85,14 +85,54 @@ void run(const Plan& plan, const int* rank_lane, int nranks, const Lane* lanes, 
   const int64_t steps = int64_t(plan.size());
   const int64_t esize = elem_size(dtype);
 
+  // A CUDA graph can hold this call only as kernels on the capturing stream: events between
+  // lanes would join other streams (or devices) into the capture, and staging needs copies
+  // and scratch memory whose lifetime the graph would own. Refused before anything is queued
+  // and before peer access is enabled (which could invalidate a global-mode capture), so the
+  // caller's capture and later eager calls are unaffected.
+  bool capturing = false;
+  for (int l : used) {
+    guard.set(lanes[l].device);
+    cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
+    const cudaError_t err = cudaStreamIsCapturing(lanes[l].stream, &status);
+    if (err == cudaErrorStreamCaptureImplicit) {
+      cudaGetLastError();
+      throw std::runtime_error(
+          "ringreduce: this call cannot be captured in a CUDA graph: the stream of " + name(l) +
+          " is the legacy default stream, which cannot be used while another stream of cuda:" +
+          std::to_string(lanes[l].device) + " is being captured; run the call on the capturing "
+          "stream (or pass streams=)");
+    }
+    RR_CUDA_CHECK(err, "asking whether the stream of " + name(l) + " is being captured");
+    if (status == cudaStreamCaptureStatusNone) continue;
+    capturing = true;
+    if (multi) {
+      throw std::runtime_error(
+          "ringreduce: this call cannot be captured in a CUDA graph: its ranks run on " +
+          std::to_string(used.size()) + " lanes (distinct devices or streams), which are "
+          "ordered by events between them; capture needs every rank on one device and one "
+          "stream");
+    }
+  }
+
   // Which ranks read their predecessor through copies (into a staging slot for combine hops,
   // straight into place for copy hops), the slot of each, and the stride of the slots (the
   // largest combine hop, rounded up to keep every slot 16-byte aligned).
+  std::map<std::pair<int, int>, bool> peer;  // (device, peer device) -> direct
+  auto direct = [&](int r) {
+    const int d = lanes[rank_lane[r]].device;
+    const int pd = lanes[rank_lane[(r + nranks - 1) % nranks]].device;
+    if (d == pd || !options.peer_access) return true;
+    auto it = peer.find({d, pd});
+    if (it == peer.end()) {
+      it = peer.emplace(std::make_pair(d, pd), options.peer_access(d, pd)).first;
+    }
+    return it->second;
+  };
   std::vector<int> slot(size_t(nranks), -1);
   std::map<int, int> slots_on;
   for (int r = 0; r < nranks && nranks > 1; ++r) {
-    const bool direct = options.direct == nullptr || options.direct[r] != 0;
-    if (!direct || options.force_copy) slot[size_t(r)] = slots_on[rank_lane[r]]++;
+    if (options.force_copy || !direct(r)) slot[size_t(r)] = slots_on[rank_lane[r]]++;
   }
   int64_t slot_bytes = 0;
   for (const PlanStep& step : plan) {
@@ -109,30 +149,11 @@ void run(const Plan& plan, const int* rank_lane, int nranks, const Lane* lanes, 
       staged = staged || (m.src_rank != m.rank && slot[size_t(m.rank)] >= 0);
     }
   }
-
-  // A CUDA graph can hold this call only as kernels on the capturing stream: events between
-  // lanes would join other streams (or devices) into the capture, and staging needs copies
-  // and scratch memory whose lifetime the graph would own. Refused before anything is queued,
-  // so the caller's later eager calls are unaffected.
-  for (int l : used) {
-    guard.set(lanes[l].device);
-    cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
-    RR_CUDA_CHECK(cudaStreamIsCapturing(lanes[l].stream, &status),
-                  "asking whether the stream of " + name(l) + " is being captured");
-    if (status == cudaStreamCaptureStatusNone) continue;
-    if (multi) {
-      throw std::runtime_error(
-          "ringreduce: this call cannot be captured in a CUDA graph: its ranks run on " +
-          std::to_string(used.size()) + " lanes (distinct devices or streams), which are "
-          "ordered by events between them; capture needs every rank on one device and one "
-          "stream");
-    }
-    if (staged) {
-      throw std::runtime_error(
-          "ringreduce: this call cannot be captured in a CUDA graph: its hops are staged "
-          "through cudaMemcpyPeerAsync and a scratch buffer (RINGREDUCE_TRANSPORT=copy, or no "
-          "peer access between neighbours); capture needs the default transport (p2p)");
-    }
+  if (capturing && staged) {
+    throw std::runtime_error(
+        "ringreduce: this call cannot be captured in a CUDA graph: its hops are staged "
+        "through cudaMemcpyPeerAsync and a scratch buffer (RINGREDUCE_TRANSPORT=copy, or no "
+        "peer access between neighbours); capture needs the default transport (p2p)");
   }
 
   std::map<int, char*> stage;  // lane -> staging buffer

@@ -33,6 +33,7 @@ struct FakeStream {
   int device;
   int index;
   bool capturing = false;
+  bool capture_implicit = false;
   std::deque<FakeOperation> queue;
 };
 
@@ -182,6 +183,10 @@ bool fake_drain() {
 void fake_fail_call(long n) { g.fail_in = n; }
 void fake_drop_wait(long n) { g.drop_in = n; }
 void fake_set_capturing(cudaStream_t stream, bool capturing) { stream->capturing = capturing; }
+void fake_set_capture_implicit(cudaStream_t stream, bool implicit) {
+  stream->capture_implicit = implicit;
+}
+
 void fake_note_staging(const void* p, size_t bytes) {
   const uintptr_t b = reinterpret_cast<uintptr_t>(p);
   g.staging[b] = b + bytes;
@@ -278,6 +283,7 @@ cudaError_t cudaMemcpyPeerAsync(void* dst, int dst_device, const void* src, int 
 
 cudaError_t cudaStreamIsCapturing(cudaStream_t stream, cudaStreamCaptureStatus* status) {
   if (inject_failure()) return cudaErrorUnknown;
+  if (stream->capture_implicit) return cudaErrorStreamCaptureImplicit;
   *status = stream->capturing ? cudaStreamCaptureStatusActive : cudaStreamCaptureStatusNone;
   return cudaSuccess;
 }

@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # Syntax-only compile of the torch glue's CUDA branches (-DRINGREDUCE_WITH_CUDA) with the host
 # compiler against the installed torch's headers, so that a CPU-only machine (a CPU torch, no
-# GPU) still rejects a CUDA-only compile error in csrc/bindings.cpp or in any csrc/multiprocess/
-# source that includes torch (found by the glob and a grep, so a backend file added there later
-# is covered). nvcc compiles the .cu files (scripts/compile_cuda.sh); the .cpp files that hold
+# GPU) still rejects a CUDA-only compile error in csrc/bindings.cpp, csrc/multiprocess/
+# dist_bindings.cpp or any other .cpp under csrc/ that includes torch or has a
+# RINGREDUCE_WITH_CUDA branch (found by a glob and a grep, so a backend file added later is
+# covered). nvcc compiles the .cu files (scripts/compile_cuda.sh); the .cpp files that hold
 # torch code are built by the host compiler even in a CUDA build, and this is the only check of
 # their CUDA branches without one.
 #
@@ -32,9 +33,9 @@ EOF
 if [ $# -gt 0 ]; then
   files=("$@")
 else
-  files=(csrc/bindings.cpp)
-  for f in csrc/multiprocess/*.cpp; do
-    grep -qE '#include <(torch|ATen|c10)/' "$f" && files+=("$f")
+  files=()
+  for f in csrc/*.cpp csrc/*/*.cpp; do
+    grep -qE '#include <(torch|ATen|c10)/|RINGREDUCE_WITH_CUDA' "$f" && files+=("$f")
   done
 fi
 logs=$(mktemp -d)

@@ -346,7 +346,9 @@ std::vector<std::string> execute(const rr::Plan& plan, rr::DType dtype, rr::Op o
   }
   if (oneshot != nullptr && lanes.size() == 1 && transport == "p2p" &&
       oneshot->bytes <= oneshot->max_bytes) {
-    // One kernel instead of 2(N-1) ring steps, with the ring's bits.
+    // One kernel instead of 2(N-1) ring steps, with the ring's bits; capturable, except on the
+    // legacy default stream while another stream captures, which check_capture refuses.
+    rr::cuda::check_capture(lanes.data(), 1);
     std::vector<const void*> in(oneshot->in.begin(), oneshot->in.end());
     rr::cuda::launch_oneshot(in.data(), oneshot->out.data(), nranks, oneshot->count, dtype, op,
                              lanes[0].stream);

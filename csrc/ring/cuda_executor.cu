@@ -52,7 +52,58 @@ std::string describe(const Lane& lane, int index, bool several_per_device) {
   return s;
 }
 
+bool shares_device(const Lane* lanes, const std::vector<int>& used) {
+  for (size_t i = 0; i < used.size(); ++i) {
+    for (size_t j = i + 1; j < used.size(); ++j) {
+      if (lanes[used[i]].device == lanes[used[j]].device) return true;
+    }
+  }
+  return false;
+}
+
+// check_capture over lanes[used] (cuda_executor.h). A CUDA graph can hold a call only as
+// kernels on the capturing stream: events between lanes would join other streams (or devices)
+// into the capture. Asking is the first thing a call does on a lane, before peer access is
+// enabled (which could invalidate a global-mode capture), so a refusal leaves the caller's
+// capture and later eager calls unaffected.
+bool capture_check(const Lane* lanes, const std::vector<int>& used, DeviceGuard& guard) {
+  const bool shared_device = shares_device(lanes, used);
+  auto name = [&](int l) { return describe(lanes[l], l, shared_device); };
+  bool capturing = false;
+  for (int l : used) {
+    guard.set(lanes[l].device);
+    cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
+    const cudaError_t err = cudaStreamIsCapturing(lanes[l].stream, &status);
+    if (err == cudaErrorStreamCaptureImplicit) {
+      cudaGetLastError();
+      throw std::runtime_error(
+          "ringreduce: this call cannot be captured in a CUDA graph: the stream of " + name(l) +
+          " is the legacy default stream, which cannot be used while another stream of cuda:" +
+          std::to_string(lanes[l].device) + " is being captured; run the call on the capturing "
+          "stream (or pass streams=)");
+    }
+    RR_CUDA_CHECK(err, "asking whether the stream of " + name(l) + " is being captured");
+    if (status == cudaStreamCaptureStatusNone) continue;
+    capturing = true;
+    if (used.size() > 1) {
+      throw std::runtime_error(
+          "ringreduce: this call cannot be captured in a CUDA graph: its ranks run on " +
+          std::to_string(used.size()) + " lanes (distinct devices or streams), which are "
+          "ordered by events between them; capture needs every rank on one device and one "
+          "stream");
+    }
+  }
+  return capturing;
+}
+
 }  // namespace
+
+bool check_capture(const Lane* lanes, int nlanes) {
+  std::vector<int> all;
+  for (int l = 0; l < nlanes; ++l) all.push_back(l);
+  DeviceGuard guard;
+  return capture_check(lanes, all, guard);
+}
 
 void run(const Plan& plan, const int* rank_lane, int nranks, const Lane* lanes, int nlanes,
          DType dtype, Op op, const RunOptions& options) {
@@ -72,12 +123,7 @@ void run(const Plan& plan, const int* rank_lane, int nranks, const Lane* lanes, 
   }
   std::sort(used.begin(), used.end());
   const bool multi = used.size() > 1;
-  bool shared_device = false;
-  for (size_t i = 0; i < used.size(); ++i) {
-    for (size_t j = i + 1; j < used.size(); ++j) {
-      shared_device = shared_device || lanes[used[i]].device == lanes[used[j]].device;
-    }
-  }
+  const bool shared_device = shares_device(lanes, used);
   auto name = [&](int l) { return describe(lanes[l], l, shared_device); };
 
   std::lock_guard<std::mutex> lock(g_mutex);
@@ -85,35 +131,8 @@ void run(const Plan& plan, const int* rank_lane, int nranks, const Lane* lanes, 
   const int64_t steps = int64_t(plan.size());
   const int64_t esize = elem_size(dtype);
 
-  // A CUDA graph can hold this call only as kernels on the capturing stream: events between
-  // lanes would join other streams (or devices) into the capture, and staging needs copies
-  // and scratch memory whose lifetime the graph would own. Refused before anything is queued
-  // and before peer access is enabled (which could invalidate a global-mode capture), so the
-  // caller's capture and later eager calls are unaffected.
-  bool capturing = false;
-  for (int l : used) {
-    guard.set(lanes[l].device);
-    cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
-    const cudaError_t err = cudaStreamIsCapturing(lanes[l].stream, &status);
-    if (err == cudaErrorStreamCaptureImplicit) {
-      cudaGetLastError();
-      throw std::runtime_error(
-          "ringreduce: this call cannot be captured in a CUDA graph: the stream of " + name(l) +
-          " is the legacy default stream, which cannot be used while another stream of cuda:" +
-          std::to_string(lanes[l].device) + " is being captured; run the call on the capturing "
-          "stream (or pass streams=)");
-    }
-    RR_CUDA_CHECK(err, "asking whether the stream of " + name(l) + " is being captured");
-    if (status == cudaStreamCaptureStatusNone) continue;
-    capturing = true;
-    if (multi) {
-      throw std::runtime_error(
-          "ringreduce: this call cannot be captured in a CUDA graph: its ranks run on " +
-          std::to_string(used.size()) + " lanes (distinct devices or streams), which are "
-          "ordered by events between them; capture needs every rank on one device and one "
-          "stream");
-    }
-  }
+  // Refused under capture before anything is queued and before peer access is enabled.
+  const bool capturing = capture_check(lanes, used, guard);
 
   // Which ranks read their predecessor through copies (into a staging slot for combine hops,
   // straight into place for copy hops), the slot of each, and the stride of the slots (the
@@ -149,6 +168,7 @@ void run(const Plan& plan, const int* rank_lane, int nranks, const Lane* lanes, 
       staged = staged || (m.src_rank != m.rank && slot[size_t(m.rank)] >= 0);
     }
   }
+  // Staging needs copies and scratch memory whose lifetime the graph would own.
   if (capturing && staged) {
     throw std::runtime_error(
         "ringreduce: this call cannot be captured in a CUDA graph: its hops are staged "

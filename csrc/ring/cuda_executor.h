@@ -58,5 +58,13 @@ struct RunOptions {
 void run(const Plan& plan, const int* rank_lane, int nranks, const Lane* lanes, int nlanes,
          DType dtype, Op op, const RunOptions& options);
 
+// The capture check run() starts with, for callers that launch on lanes themselves (the
+// bindings' one-shot path): true if a lane's stream is being captured; throws the refusal
+// ("cannot be captured") when several lanes are given and one of them is, and when a lane is
+// the legacy default stream while another stream of its device is being captured
+// (cudaStreamIsCapturing's cudaErrorStreamCaptureImplicit: launching there would fail and could
+// invalidate that capture).
+bool check_capture(const Lane* lanes, int nlanes);
+
 }  // namespace cuda
 }  // namespace rr

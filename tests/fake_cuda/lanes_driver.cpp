@@ -453,6 +453,14 @@ int failures() {
   return bad == 0 && cases > 0 ? 0 : 1;
 }
 
+// Leaves every lane's stream neither capturing nor failing the capture query.
+void stop_capture(const std::vector<rr::cuda::Lane>& lanes) {
+  for (const auto& l : lanes) {
+    fake_set_capturing(l.stream, false);
+    fake_set_capture_implicit(l.stream, false);
+  }
+}
+
 // Runs one all-reduce on `layout` with every lane capturing (or, `implicit`, with lane 0's
 // stream failing the capture query as the legacy stream does while another stream captures);
 // returns the exception's message and, in *log and *peer_calls, what it queued and how often it
@@ -484,10 +492,7 @@ std::string captured_call(const Layout& layout, int n, bool copy, bool implicit,
   }
   *log = fake_log();
   *peer_calls = g_peer_calls - peer_before;
-  for (const auto& l : lanes) {
-    fake_set_capturing(l.stream, false);
-    fake_set_capture_implicit(l.stream, false);
-  }
+  stop_capture(lanes);
   fake_drain();
   fake_release_streams();
   return error;
@@ -544,6 +549,32 @@ int capture() {
             std::printf("FAIL %s: eager calls after a refused capture\n", describe(s).c_str());
           }
         }
+      }
+    }
+  }
+  // check_capture, which the bindings' one-shot path calls before launching on its one lane.
+  for (int nlanes : {1, 2}) {
+    for (int mode = 0; mode < 3; ++mode) {  // not capturing, capturing, implicit (lane 0)
+      std::vector<rr::cuda::Lane> lanes;
+      for (int l = 0; l < nlanes; ++l) lanes.push_back(rr::cuda::Lane{0, fake_stream(0)});
+      for (const auto& l : lanes) fake_set_capturing(l.stream, mode == 1);
+      if (mode == 2) fake_set_capture_implicit(lanes[0].stream, true);
+      std::string error;
+      bool capturing = false;
+      try {
+        capturing = rr::cuda::check_capture(lanes.data(), nlanes);
+      } catch (const std::exception& e) {
+        error = e.what();
+      }
+      stop_capture(lanes);
+      fake_release_streams();
+      const bool refuse = mode == 2 || (mode == 1 && nlanes > 1);
+      const bool ok = refuse ? error.find("cannot be captured") != std::string::npos
+                             : error.empty() && capturing == (mode == 1);
+      if (!ok) {
+        ++bad;
+        std::printf("FAIL check_capture on %d lanes, mode %d: capturing=%d error '%s'\n",
+                    nlanes, mode, int(capturing), error.c_str());
       }
     }
   }

@@ -190,11 +190,36 @@ std::vector<void*> pointers(const std::vector<at::Tensor>& tensors) {
   return out;
 }
 
-// Scratch buffers for the partial results of ranks whose inputs must stay unchanged.
-std::vector<at::Tensor> workspaces(const std::vector<at::Tensor>& inputs, int skip) {
+#ifdef RINGREDUCE_WITH_CUDA
+// The stream rank r runs on: streams[r] if given, else its device's current stream.
+c10::cuda::CUDAStream rank_stream(const std::vector<at::Tensor>& ranks, const Streams& streams,
+                                  size_t r) {
+  if (!streams.empty() && streams[r]) return c10::cuda::CUDAStream(*streams[r]);
+  return c10::cuda::getCurrentCUDAStream(static_cast<c10::DeviceIndex>(ranks[r].get_device()));
+}
+#endif
+
+// Scratch buffers for the partial results of ranks whose inputs must stay unchanged. On CUDA
+// each comes from the caching allocator on the stream of the rank that writes it (as staging
+// does): allocated on the current stream, a block freed there while that stream's queued work
+// still reads it could be handed out, and a rank on another stream (streams=) would write it
+// before that work is done.
+std::vector<at::Tensor> workspaces(const std::vector<at::Tensor>& inputs, int skip,
+                                   const Streams& streams) {
   std::vector<at::Tensor> work;
   for (size_t r = 0; r < inputs.size(); ++r) {
-    work.push_back(int(r) == skip ? at::Tensor() : at::empty_like(inputs[r]));
+    if (int(r) == skip) {
+      work.emplace_back();
+      continue;
+    }
+#ifdef RINGREDUCE_WITH_CUDA
+    if (inputs[r].is_cuda()) {
+      c10::cuda::CUDAStreamGuard on(rank_stream(inputs, streams, r));
+      work.push_back(at::empty_like(inputs[r]));
+      continue;
+    }
+#endif
+    work.push_back(at::empty_like(inputs[r]));
   }
   return work;
 }
@@ -271,41 +296,41 @@ std::vector<std::string> execute(const rr::Plan& plan, rr::DType dtype, rr::Op o
   std::vector<c10::cuda::CUDAStream> lane_stream;
   std::vector<int> rank_lane;
   for (int r = 0; r < nranks; ++r) {
-    const auto dev = static_cast<c10::DeviceIndex>(ranks[r].get_device());
-    const c10::cuda::CUDAStream s = !streams.empty() && streams[r]
-                                        ? c10::cuda::CUDAStream(*streams[r])
-                                        : c10::cuda::getCurrentCUDAStream(dev);
+    const c10::cuda::CUDAStream s = rank_stream(ranks, streams, size_t(r));
     size_t l = 0;
     while (l < lane_stream.size() && lane_stream[l] != s) ++l;
     if (l == lane_stream.size()) {
-      lanes.push_back(rr::cuda::Lane{int(dev), s.stream()});
+      lanes.push_back(rr::cuda::Lane{int(s.device_index()), s.stream()});
       lane_stream.push_back(s);
     }
     rank_lane.push_back(int(l));
   }
   // Direct reads of the predecessor need peer access, enabled through torch so that its
-  // allocator also maps expandable segments / memory pools for the peer. A pair whose access
+  // allocator also maps expandable segments / memory pools for the peer. The executor asks for
+  // it per pair of devices only after refusing a capture (cuda_executor.h). A pair whose access
   // cannot be enabled (get_p2p_access says no, or raises) is staged, and reported.
   std::vector<std::string> staged;
-  std::vector<uint8_t> direct(size_t(nranks), 1);
-  for (int r = 0; r < nranks; ++r) {
-    const int p = (r + nranks - 1) % nranks;
-    const auto rd = ranks[r].device().index(), pd = ranks[p].device().index();
-    if (rd == pd) continue;
+  const auto peer_access = [&](int device, int peer) {
     std::string why;
+    bool ok = false;
     try {
-      direct[size_t(r)] = at::cuda::get_p2p_access(rd, pd) ? 1 : 0;
+      ok = at::cuda::get_p2p_access(static_cast<c10::DeviceIndex>(device),
+                                    static_cast<c10::DeviceIndex>(peer));
     } catch (const c10::Error& e) {
-      direct[size_t(r)] = 0;
       why = e.what_without_backtrace();
       why = ": " + why.substr(0, why.find('\n'));
     }
-    if (!direct[size_t(r)]) {
-      staged.push_back("rank " + std::to_string(r) + " (cuda:" + std::to_string(rd) +
-                       ") <- rank " + std::to_string(p) + " (cuda:" + std::to_string(pd) + ")" +
-                       why);
+    if (!ok) {
+      for (int r = 0; r < nranks; ++r) {
+        const int p = (r + nranks - 1) % nranks;
+        if (ranks[r].get_device() != device || ranks[p].get_device() != peer) continue;
+        staged.push_back("rank " + std::to_string(r) + " (cuda:" + std::to_string(device) +
+                         ") <- rank " + std::to_string(p) + " (cuda:" + std::to_string(peer) +
+                         ")" + why);
+      }
     }
-  }
+    return ok;
+  };
   // Each buffer is last touched on its lanes (the exit barrier orders every lane after every
   // neighbour's reads); telling the caching allocator about one lane on the tensor's device
   // keeps a tensor the caller drops right away (and the workspaces, dropped on return) from
@@ -321,7 +346,9 @@ std::vector<std::string> execute(const rr::Plan& plan, rr::DType dtype, rr::Op o
   }
   if (oneshot != nullptr && lanes.size() == 1 && transport == "p2p" &&
       oneshot->bytes <= oneshot->max_bytes) {
-    // One kernel instead of 2(N-1) ring steps, with the ring's bits.
+    // One kernel instead of 2(N-1) ring steps, with the ring's bits; capturable, except on the
+    // legacy default stream while another stream captures, which check_capture refuses.
+    rr::cuda::check_capture(lanes.data(), 1);
     std::vector<const void*> in(oneshot->in.begin(), oneshot->in.end());
     rr::cuda::launch_oneshot(in.data(), oneshot->out.data(), nranks, oneshot->count, dtype, op,
                              lanes[0].stream);
@@ -333,7 +360,7 @@ std::vector<std::string> execute(const rr::Plan& plan, rr::DType dtype, rr::Op o
   // (no host synchronisation, no growing raw allocation).
   std::vector<at::Tensor> stage_buffers;
   rr::cuda::RunOptions options;
-  options.direct = direct.data();
+  options.peer_access = peer_access;
   options.force_copy = transport == "copy";
   options.alloc = [&](int device, cudaStream_t stream, size_t bytes) -> void* {
     const auto dev = static_cast<c10::DeviceIndex>(device);
@@ -423,7 +450,7 @@ std::vector<std::string> reduce(const std::vector<at::Tensor>& inputs,
   check_device_support(fn, inputs);
   check_streams(fn, streams, inputs, "inputs");
 
-  const std::vector<at::Tensor> work = workspaces(inputs, root);
+  const std::vector<at::Tensor> work = workspaces(inputs, root, streams);
   const std::vector<void*> in_ptrs = pointers(inputs);
   std::vector<void*> work_ptrs;
   for (const at::Tensor& w : work) work_ptrs.push_back(w.defined() ? w.data_ptr() : nullptr);
@@ -517,7 +544,7 @@ std::vector<std::string> reduce_scatter(const std::vector<at::Tensor>& inputs,
   check_device_support(fn, inputs);
   check_streams(fn, streams, inputs, "inputs");
 
-  const std::vector<at::Tensor> work = workspaces(inputs, nranks == 1 ? 0 : -1);
+  const std::vector<at::Tensor> work = workspaces(inputs, nranks == 1 ? 0 : -1, streams);
   const std::vector<void*> in_ptrs = pointers(inputs), out_ptrs = pointers(outputs);
   std::vector<void*> work_ptrs;
   for (const at::Tensor& w : work) work_ptrs.push_back(w.defined() ? w.data_ptr() : nullptr);
@@ -529,10 +556,10 @@ std::vector<std::string> reduce_scatter(const std::vector<at::Tensor>& inputs,
 
 // Test and measurement hook for the fused ring kernel (fused_cuda.h), not yet a path of
 // all_reduce: in-place all-reduce of `tensors` (one CUDA device, contiguous, same dtype and size)
-// on the device's current stream with `blocks_per_rank` blocks a rank (0: the suggested count),
-// the caller's zeroed uint8 `flags` tensor on that device and an `epoch` greater than every
-// earlier one on it. Synchronises and raises if the kernel reported a failure. Returns the
-// blocks per rank it used.
+// on the device's current stream with `blocks_per_rank` blocks a rank (0: the suggested count,
+// capped by what `flags` holds: rr::fused_blocks_per_rank in launch.h), the caller's zeroed
+// uint8 `flags` tensor on that device and an `epoch` greater than every earlier one on it.
+// Synchronises and raises if the kernel reported a failure. Returns the blocks per rank it used.
 int64_t fused_all_reduce(const std::vector<at::Tensor>& tensors, const std::string& op_name,
                          int64_t blocks_per_rank, const at::Tensor& flags, int64_t epoch,
                          double timeout_s) {
@@ -554,12 +581,13 @@ int64_t fused_all_reduce(const std::vector<at::Tensor>& tensors, const std::stri
   c10::cuda::CUDAGuard guard(tensors[0].device());
   const int nranks = int(tensors.size());
   const int64_t count = tensors[0].numel();
-  const int blocks = blocks_per_rank > 0
-                         ? int(blocks_per_rank)
-                         : rr::cuda::fused_blocks_per_rank(nranks, count, dtype, op);
-  TORCH_CHECK_VALUE(flags.numel() >= rr::fused_flags_bytes(nranks, blocks), fn, ": flags holds ",
-                    flags.numel(), " bytes; ", nranks, " ranks x ", blocks, " blocks need ",
-                    rr::fused_flags_bytes(nranks, blocks));
+  int blocks = 0;
+  try {
+    blocks = rr::cuda::fused_blocks_per_rank(int(std::min<int64_t>(blocks_per_rank, 1 << 30)),
+                                             nranks, count, dtype, op, flags.numel());
+  } catch (const std::invalid_argument& e) {
+    TORCH_CHECK_VALUE(false, fn, ": ", e.what());
+  }
   const std::vector<void*> ptrs = pointers(tensors);
   std::vector<const void*> in(ptrs.begin(), ptrs.end());
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream().stream();

@@ -1,17 +1,50 @@
 #!/usr/bin/env bash
-# Compile-only check of every torch-free CUDA source for sm_80 and sm_90 (no GPU needed).
-# A kernel that does not compile fails here even on a machine without a GPU.
+# Compile-only check of every CUDA source (csrc/**/*.cu) with nvcc, no GPU needed: for sm_90 and
+# the architectures setup.py builds by default (its RINGREDUCE_CUDA_ARCH_LIST default, with the
+# newest also as PTX, as setup.py embeds it), in C++17 (the torch-free layer's standard) and
+# C++20 (what torch's cpp_extension passes to nvcc), with every warning an error: nvcc's own,
+# the host compiler's (-Wall) and ptxas's.
+#   PTXAS_LOG=FILE  also writes ptxas's resource usage (-Xptxas -v, the C++20 pass) to FILE, for
+#                   scripts/ptxas_report.py
+#   CUDA_STDS="c++20" / CUDA_ARCHS="9.0" narrow the checks
 set -euo pipefail
 cd "$(dirname "$0")/.."
 NVCC=${NVCC:-$(command -v nvcc || echo /usr/local/cuda/bin/nvcc)}
 [ -x "$NVCC" ] || { echo "compile_cuda: nvcc not found (set NVCC=...)" >&2; exit 1; }
+default_archs=$(sed -n 's/.*"RINGREDUCE_CUDA_ARCH_LIST", "\([^"]*\)".*/\1/p' setup.py | head -n 1)
+[ -n "$default_archs" ] || { echo "compile_cuda: no default arch list found in setup.py" >&2; exit 1; }
+archs=$(printf '%s\n' 9.0 ${CUDA_ARCHS:-${default_archs//;/ }} | sort -u -t. -k1,1n -k2,2n)
+gencode=()
+token=""
+for a in $archs; do
+  cc=${a/./}
+  gencode+=("-gencode=arch=compute_$cc,code=sm_$cc")
+  token+="${token:+_}$cc"
+done
+gencode+=("-gencode=arch=compute_$cc,code=compute_$cc")  # the newest as PTX too
 out=$(mktemp -d)
 trap 'rm -rf "$out"' EXIT
+[ -z "${PTXAS_LOG:-}" ] || : > "$PTXAS_LOG"
 status=0
-for src in $(find csrc -name '*.cu' | sort); do
-  echo "compile_cuda: $src"
-  "$NVCC" -std=c++17 -O3 -Icsrc -DRINGREDUCE_WITH_CUDA -DRINGREDUCE_ARCHS=80_90 \
-    -gencode=arch=compute_80,code=sm_80 -gencode=arch=compute_90,code=sm_90 \
-    -Xcompiler -Wall -Werror=all-warnings -c "$src" -o "$out/$(basename "$src").o" || status=1
+for std in ${CUDA_STDS:-c++17 c++20}; do
+  for src in $(find csrc -name '*.cu' | sort); do
+    echo "compile_cuda: $src (-std=$std, sm $token)"
+    verbose=()
+    [ -n "${PTXAS_LOG:-}" ] && [ "$std" = c++20 ] && verbose=(-Xptxas -v)
+    if ! "$NVCC" -std="$std" -O3 -Icsrc -DRINGREDUCE_WITH_CUDA -DRINGREDUCE_ARCHS="$token" \
+        "${gencode[@]}" -Werror=all-warnings -Xcompiler -Wall,-Werror -Xptxas -Werror \
+        "${verbose[@]}" -c "$src" -o "$out/$(basename "$src").o" > "$out/log" 2>&1; then
+      cat "$out/log" >&2
+      status=1
+      continue
+    fi
+    if [ ${#verbose[@]} -gt 0 ]; then
+      grep -v '^ptxas info' "$out/log" | grep -v '^ *[0-9]* bytes stack frame' | grep . >&2 || true
+      { echo "# source $src"; cat "$out/log"; } >> "$PTXAS_LOG"
+    else
+      cat "$out/log" >&2
+    fi
+  done
 done
+[ $status -eq 0 ] && echo "compile_cuda: every CUDA source compiles (sm $token; ${CUDA_STDS:-c++17 c++20})"
 exit $status

@@ -3,13 +3,14 @@
 // sizes, in place and out of place. Two one-shot paths are checked:
 //   - rr::cpu::all_reduce_oneshot;
 //   - the CUDA kernel's per-thread body (rr::oneshot_thread) run serially for every thread of
-//     a simulated grid, on 16-byte aligned buffers (the pack path) and on buffers one element
-//     off (the element path), with arguments from make_oneshot_args as launch_oneshot builds
-//     them. This checks the kernel's indexing and chunk choice on the host; the GPU's own
-//     arithmetic is checked only on a GPU.
-// Usage: oneshot_driver DTYPE SEED. Prints one line per op,
-// "op=NAME cases=N mismatches=M nan_payloads=P", and a line per mismatch (the first few);
-// exits 1 on any mismatch.
+//     a simulated grid, on 16-byte aligned buffers (the pack path), on buffers one element
+//     off (the element path) and on a mix of both (packs, lane by lane for the ranks that are
+//     off), with arguments from make_oneshot_args as launch_oneshot builds them (whose per-rank
+//     alignment bits are checked too). This checks the kernel's indexing and chunk choice on
+//     the host; the GPU's own arithmetic is checked only on a GPU.
+// Usage: oneshot_driver DTYPE SEED. Prints one line per op, "op=NAME cases=N mismatches=M
+// nan_payloads=P aligned=A misaligned=B mixed=C" (the last three: kernel-body runs on each
+// layout), and a line per mismatch (the first few); exits 1 on any mismatch.
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
@@ -115,6 +116,7 @@ struct Report {
   int64_t cases = 0;
   int64_t mismatches = 0;
   int64_t nan_payloads = 0;  // elements that are NaN in both with different bits
+  int64_t layouts[3] = {0, 0, 0};  // kernel-body runs on aligned, misaligned, mixed buffers
 
   void check(const char* what, Op op, int n, int64_t count, int rank, const uint8_t* got,
              const uint8_t* want) {
@@ -178,14 +180,16 @@ void run_case(DType dtype, Op op, int n, int64_t count, Values& values, Report& 
     input.emplace_back(bytes, 0);
     fill(input.back().data, count, dtype, values);
   }
-  auto copies = [&](int64_t offset) {
+  // offset(r): how many bytes rank r's buffer lies off 16-byte alignment.
+  auto copies_at = [&](const std::vector<int64_t>& offset) {
     std::vector<Buf> c;
     for (int r = 0; r < n; ++r) {
-      c.emplace_back(bytes, offset);
+      c.emplace_back(bytes, offset[size_t(r)]);
       std::memcpy(c.back().data, input[size_t(r)].data, size_t(bytes));
     }
     return c;
   };
+  auto copies = [&](int64_t offset) { return copies_at(std::vector<int64_t>(size_t(n), offset)); };
   auto ptrs = [&](std::vector<Buf>& bufs) {
     std::vector<void*> p;
     for (Buf& b : bufs) p.push_back(b.data);
@@ -213,19 +217,36 @@ void run_case(DType dtype, Op op, int n, int64_t count, Values& values, Report& 
   check_all("cpu input unchanged", in, input);
 
   if (n > kOneshotMaxRanks) return;
-  // Pack or element path, and the grid size, drawn per case.
-  const int64_t offset = values.rng() % 2 == 0 || esize >= 16 ? 0 : esize;
+  // Every rank aligned (packs), every rank off by an element (elements), or a random mix (packs,
+  // lane by lane for the ranks that are off), and the grid size, drawn per case.
+  const int64_t off = esize >= 16 ? 0 : esize;
+  const int layout = int(values.rng() % 3);
+  std::vector<int64_t> in_off(static_cast<size_t>(n)), out_off(static_cast<size_t>(n));
+  for (int r = 0; r < n; ++r) {
+    in_off[size_t(r)] = layout == 0 ? 0 : layout == 1 ? off : int64_t(values.rng() % 2) * off;
+    out_off[size_t(r)] = layout == 0 ? 0 : layout == 1 ? off : int64_t(values.rng() % 2) * off;
+  }
   const int64_t threads = kThreads[values.rng() % 4];
   for (const bool inplace : {true, false}) {
-    std::vector<Buf> kin = copies(offset), kout = copies(offset);
+    std::vector<Buf> kin = copies_at(in_off), kout = copies_at(out_off);
     std::vector<void*> kpin = ptrs(kin), kpout = ptrs(kout);
     const OneshotArgs a =
         make_oneshot_args(kpin.data(), inplace ? kpin.data() : kpout.data(), n, count);
-    if (a.vec != (offset == 0)) {
-      std::printf("MISMATCH make_oneshot_args: vec=%d with buffers %lld bytes off alignment\n",
-                  int(a.vec), (long long)offset);
+    const std::vector<int64_t>& wrote = inplace ? in_off : out_off;
+    bool any = false, masks = true;
+    for (int r = 0; r < n; ++r) {
+      masks = masks && ((a.in_packed >> r) & 1) == uint64_t(in_off[size_t(r)] == 0) &&
+              ((a.out_packed >> r) & 1) == uint64_t(wrote[size_t(r)] == 0);
+      any = any || in_off[size_t(r)] == 0 || wrote[size_t(r)] == 0;
+    }
+    if (!masks || a.vec != any) {
+      std::printf("MISMATCH make_oneshot_args: vec=%d in_packed=%llx out_packed=%llx for "
+                  "%s buffers\n", int(a.vec), (unsigned long long)a.in_packed,
+                  (unsigned long long)a.out_packed,
+                  layout == 0 ? "aligned" : layout == 1 ? "misaligned" : "mixed");
       ++report.mismatches;
     }
+    ++report.layouts[layout];
     run_kernel_body(a, threads, dtype, op);
     check_all(inplace ? "kernel body in place" : "kernel body out of place",
               inplace ? kin : kout, ring);
@@ -267,9 +288,11 @@ int main(int argc, char** argv) {
         ++case_index;
       }
     }
-    std::printf("op=%s cases=%lld mismatches=%lld nan_payloads=%lld\n", op_name(op),
-                (long long)report.cases, (long long)report.mismatches,
-                (long long)report.nan_payloads);
+    std::printf("op=%s cases=%lld mismatches=%lld nan_payloads=%lld aligned=%lld "
+                "misaligned=%lld mixed=%lld\n", op_name(op), (long long)report.cases,
+                (long long)report.mismatches, (long long)report.nan_payloads,
+                (long long)report.layouts[0], (long long)report.layouts[1],
+                (long long)report.layouts[2]);
     total += report.mismatches;
   }
   return total == 0 ? 0 : 1;

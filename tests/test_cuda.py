@@ -283,7 +283,10 @@ def test_collectives_distinct_gpus(dtype, nranks):
 def test_collectives_on_given_streams():
     """streams=[...] runs the collective on those streams, not on the current ones."""
     def on_given_streams(side, tensors):
-        outputs = [torch.full_like(t, float("nan")) for t in tensors]
+        # Poisoned on the side stream, where the ring writes them: filled on the current stream,
+        # which the side stream never waits for, the fill could land after the result.
+        with torch.cuda.stream(side):
+            outputs = [torch.full_like(t, float("nan")) for t in tensors]
         return ringreduce.all_reduce(tensors, outputs=outputs, streams=[side] * len(tensors))
 
     _check_inputs_produced_late(41, (1 << 20) + 3, on_given_streams)
@@ -294,6 +297,8 @@ def test_distinct_streams_on_a_shared_device_are_separate_lanes():
     devices"); the result is the broadcast, and each stream's later work sees it."""
     tensors = [torch.full((1 << 16) + 5, float(r + 1), device="cuda") for r in range(3)]
     streams = [torch.cuda.Stream(), torch.cuda.Stream(), None]
+    for s in streams[:2]:
+        s.wait_stream(torch.cuda.current_stream())  # the fills above are on the current stream
     ringreduce.broadcast(tensors, 0, streams=streams)
     for t, s in zip(tensors, streams):
         with torch.cuda.stream(s or torch.cuda.current_stream()):
@@ -312,25 +317,34 @@ def test_collectives_reject_outputs_on_another_device_before_modification():
 
 # The fused ring kernel (csrc/ring/fused_cuda.h) through its test hook: not yet a path of
 # all_reduce; these runs decide whether it becomes one.
+# tests/test_launch_geometry.py checks on the CPU, for the capacities of real GPUs, that the
+# block counts these parameters lead to fit the flag buffer and the device.
 FUSED_CASES = [(torch.float32, "sum"), (torch.float16, "avg"), (torch.bfloat16, "max"),
                (torch.int32, "sum"), (torch.int8, "bxor"), (torch.float64, "prod")]
+FUSED_NRANKS = [2, 3, 4, 8]
+FUSED_COUNTS = (1, 7, 33, 4099, (1 << 18) + 5)
+FUSED_BLOCKS = (1, 2, 0)  # 0: the suggested count, capped by what the flag buffer holds
+FUSED_FLAG_BLOCKS = 64  # blocks per rank the flag buffer is sized for
 
 
 @pytest.mark.parametrize("dtype,op", FUSED_CASES, ids=lambda v: str(v).replace("torch.", ""))
-@pytest.mark.parametrize("nranks", [2, 3, 4, 8])
+@pytest.mark.parametrize("nranks", FUSED_NRANKS)
 def test_fused_kernel_gives_the_ring_bits(dtype, op, nranks):
     """Several calls on one flag buffer (epochs 1, 2, ...), block counts 1, 2 and the
-    suggested one, sizes around the chunking: the ring model's bits on every rank."""
+    suggested one (which the flag buffer caps: an H100 suggests up to 129 for the largest
+    size), sizes around the chunking: the ring model's bits on every rank."""
     from ringreduce import _C
-    flags = torch.zeros(_C.fused_flags_bytes(nranks, 64), dtype=torch.uint8, device="cuda")
+    flags = torch.zeros(_C.fused_flags_bytes(nranks, FUSED_FLAG_BLOCKS), dtype=torch.uint8,
+                        device="cuda")
     g = torch.Generator().manual_seed(nranks * 97 + len(op))
     epoch = 0
-    for count in (1, 7, 33, 4099, (1 << 18) + 5):
-        for blocks in (1, 2, 0):
+    for count in FUSED_COUNTS:
+        for blocks in FUSED_BLOCKS:
             inputs = random_inputs(nranks, count, dtype, op, generator=g)
             tensors = [x.cuda() for x in inputs]
             epoch += 1
-            _C.fused_all_reduce(tensors, op, blocks, flags, epoch)
+            used = _C.fused_all_reduce(tensors, op, blocks, flags, epoch)
+            assert used == blocks or (blocks == 0 and 1 <= used <= FUSED_FLAG_BLOCKS), used
             want = ring_model(inputs, op).view(torch.uint8)
             for r, t in enumerate(tensors):
                 assert torch.equal(t.cpu().view(torch.uint8), want), (count, blocks, r)

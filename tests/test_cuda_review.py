@@ -23,7 +23,9 @@ Every result is compared bit for bit with the CPU path or with the ring model
 results also within rounding of a float64 reference, integer results exactly. The multi-process
 tests of the issue are in tests/test_distributed_cuda.py.
 """
+import contextlib
 import functools
+import os
 import random
 import re
 import time
@@ -51,6 +53,32 @@ def _rank_streams(n):
     for s in streams:
         s.wait_stream(torch.cuda.current_stream(DEV))
     return streams
+
+
+@contextlib.contextmanager
+def _ring_only():
+    """RINGREDUCE_ONESHOT_BYTES=0 inside the block: every all_reduce takes the ring."""
+    saved = os.environ.get("RINGREDUCE_ONESHOT_BYTES")
+    os.environ["RINGREDUCE_ONESHOT_BYTES"] = "0"
+    try:
+        yield
+    finally:
+        if saved is None:
+            del os.environ["RINGREDUCE_ONESHOT_BYTES"]
+        else:
+            os.environ["RINGREDUCE_ONESHOT_BYTES"] = saved
+
+
+def _load_ring_kernels(nranks, dtype, ops, streams=None):
+    """One small all_reduce per op through the ring (never the one-shot), then a host wait, so
+    that the ring kernels a later timed call launches are loaded. With lazy module loading (the
+    default since CUDA 12.2) the first launch of a kernel may synchronise the context: inside a
+    call queued behind a sleep that looks like a hidden host wait (issue 21, finding 3)."""
+    with _ring_only():
+        for op in ops:
+            t = [torch.ones(4099, dtype=dtype, device=DEV) for _ in range(nranks)]
+            ringreduce.all_reduce(t, op, streams=streams)
+    torch.cuda.synchronize()
 
 
 def _same_bits_but_nan_payload(got, expected, what):
@@ -126,6 +154,7 @@ def test_virtual_devices_one_rank_late(nranks, late, out_of_place):
         if out_of_place else None
     cycles = sleep_cycles(0.05)
     streams = _rank_streams(nranks)
+    _load_ring_kernels(nranks, torch.float32, ["sum"], streams)
     for r, (s, t, src) in enumerate(zip(streams, tensors, sources)):
         with torch.cuda.stream(s):
             if r == k:
@@ -162,6 +191,7 @@ def test_virtual_devices_late_between_two_calls(nranks, late):
     tensors = [x.to(DEV, copy=True) for x in first]
     cycles = sleep_cycles(0.05)
     streams = _rank_streams(nranks)
+    _load_ring_kernels(nranks, torch.float32, ["sum", "max"], streams)
     ringreduce.all_reduce(tensors, "sum", streams=streams)
     snapshots = []
     for r, (s, t, src) in enumerate(zip(streams, tensors, second_src)):
@@ -227,12 +257,15 @@ def test_back_to_back_calls_with_a_growing_staging_buffer(dtype, virtual, monkey
 def test_call_behind_a_sleep_returns_at_once(transport, virtual, monkeypatch):
     """A call queued behind a one-second sleep returns to the host well before the sleep ends:
     no hidden host synchronisation (the first call after a warm-up on a smaller size, so that
-    the copy transport's staging buffer grows in the timed call)."""
+    the copy transport's staging buffer grows in the timed call). The warm-up takes the ring,
+    as the timed call does: on the one-shot path (the default at its size on one stream) it
+    would leave the ring kernels to be loaded, lazily, inside the timed call."""
     monkeypatch.setenv("RINGREDUCE_TRANSPORT", transport)
     n, small, big = 4, 4099, (1 << 22) + 3
     tensors = [torch.ones(big, device=DEV) for _ in range(n)]
     streams = _rank_streams(n) if virtual else None
-    ringreduce.all_reduce([t[:small] for t in tensors], streams=streams)
+    with _ring_only():
+        ringreduce.all_reduce([t[:small] for t in tensors], streams=streams)
     torch.cuda.synchronize()
     cycles = sleep_cycles(1.0)
     sleeper = streams[0] if virtual else torch.cuda.current_stream(DEV)
@@ -249,6 +282,44 @@ def test_call_behind_a_sleep_returns_at_once(transport, virtual, monkeypatch):
     expected[:small] = float(n * n)
     for r, t in enumerate(tensors):
         assert torch.equal(t.cpu(), expected), f"rank {r}"
+
+
+@needs_cuda
+@pytest.mark.parametrize("collective", ["reduce", "reduce_scatter"])
+def test_workspaces_come_from_the_ranks_streams(collective):
+    """reduce and reduce_scatter keep partial results in workspaces. Buffers the size of a
+    workspace are read on the current stream behind a 50 ms sleep and freed at once, and the
+    call runs on other streams (streams=) that do not wait for that: a workspace allocated on
+    the current stream would get their blocks and be written by the ranks before those reads
+    (issue 21, finding 2). Allocated on the rank's own stream, it cannot."""
+    n, count = 4, (1 << 18) + 5
+    numel = count * n if collective == "reduce_scatter" else count
+    g = torch.Generator().manual_seed(len(collective))
+    inputs = random_inputs(n, numel, torch.float32, "sum", generator=g)
+    tensors = [x.to(DEV, copy=True) for x in inputs]
+    if collective == "reduce":
+        outputs = [torch.empty(count, device=DEV)]
+    else:
+        outputs = [torch.empty(count, device=DEV) for _ in range(n)]
+    streams = _rank_streams(n)
+    _load_ring_kernels(n, torch.float32, ["sum"], streams)
+    cycles = sleep_cycles(0.05)
+    victims = [torch.full((numel,), float(r + 1), device=DEV) for r in range(n)]
+    torch.cuda._sleep(cycles)
+    snapshots = [v.clone() for v in victims]
+    del victims  # their blocks are free for the current stream's next allocations
+    if collective == "reduce":
+        ringreduce.reduce(tensors, outputs[0], root=0, streams=streams)
+        models = [ring_model(inputs, "sum")]
+    else:
+        ringreduce.reduce_scatter(tensors, outputs, streams=streams)
+        models = reduce_scatter_model(inputs, "sum")
+    torch.cuda.synchronize()
+    for r, snap in enumerate(snapshots):
+        assert torch.equal(snap, torch.full_like(snap, float(r + 1))), (
+            f"a buffer read on the current stream was overwritten (rank {r}'s workspace?)")
+    for r, (o, m) in enumerate(zip(outputs, models)):
+        assert_same_bits(o, m, f"{collective} result {r}")
 
 
 # ---------------------------------------------------------------------------------------------

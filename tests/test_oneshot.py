@@ -3,9 +3,10 @@
 tests/oneshot_driver.cpp is compiled with the host compiler against the torch-free sources and
 checks, for one dtype per run, every supported op x 1..9, 16, 64 ranks x odd sizes, in place
 and out of place: rr::cpu::all_reduce_oneshot and the CUDA kernel's per-thread body (run on the
-host for every thread of a simulated grid, pack and element paths) against rr::cpu::all_reduce
-byte for byte. Only NaN payloads may differ, and only where two NaNs met in a sum, average or
-product (see the driver). The GPU's own arithmetic needs a GPU.
+host for every thread of a simulated grid: every rank 16-byte aligned (packs), every rank off
+(elements), and a mix, where the aligned ranks keep their 16-byte packs and only the others go
+lane by lane) against rr::cpu::all_reduce byte for byte. Only NaN payloads may differ, and only
+where two NaNs met in a sum, average or product (see the driver). The GPU's own arithmetic needs a GPU.
 """
 import os
 import re
@@ -47,7 +48,9 @@ def test_oneshot_matches_the_ring(driver, dtype):
                           timeout=120)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "chunk_of mismatches=0" in proc.stdout, proc.stdout
-    found = re.findall(r"op=(\w+) cases=(\d+) mismatches=(\d+)", proc.stdout)
-    assert [op for op, _, _ in found] == OPS[dtype], proc.stdout
-    for op, cases, mismatches in found:
+    found = re.findall(r"op=(\w+) cases=(\d+) mismatches=(\d+) nan_payloads=\d+ "
+                       r"aligned=(\d+) misaligned=(\d+) mixed=(\d+)", proc.stdout)
+    assert [op for op, *_ in found] == OPS[dtype], proc.stdout
+    for op, cases, mismatches, *layouts in found:
         assert int(cases) > 10000 and mismatches == "0", (op, proc.stdout)
+        assert all(int(k) > 0 for k in layouts), (op, "a buffer layout never ran", proc.stdout)

@@ -11,6 +11,7 @@
 #include <string>
 
 #include "cuda_check.h"
+#include "launch.h"
 
 namespace rr {
 namespace cuda {
@@ -51,7 +52,58 @@ std::string describe(const Lane& lane, int index, bool several_per_device) {
   return s;
 }
 
+bool shares_device(const Lane* lanes, const std::vector<int>& used) {
+  for (size_t i = 0; i < used.size(); ++i) {
+    for (size_t j = i + 1; j < used.size(); ++j) {
+      if (lanes[used[i]].device == lanes[used[j]].device) return true;
+    }
+  }
+  return false;
+}
+
+// check_capture over lanes[used] (cuda_executor.h). A CUDA graph can hold a call only as
+// kernels on the capturing stream: events between lanes would join other streams (or devices)
+// into the capture. Asking is the first thing a call does on a lane, before peer access is
+// enabled (which could invalidate a global-mode capture), so a refusal leaves the caller's
+// capture and later eager calls unaffected.
+bool capture_check(const Lane* lanes, const std::vector<int>& used, DeviceGuard& guard) {
+  const bool shared_device = shares_device(lanes, used);
+  auto name = [&](int l) { return describe(lanes[l], l, shared_device); };
+  bool capturing = false;
+  for (int l : used) {
+    guard.set(lanes[l].device);
+    cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
+    const cudaError_t err = cudaStreamIsCapturing(lanes[l].stream, &status);
+    if (err == cudaErrorStreamCaptureImplicit) {
+      cudaGetLastError();
+      throw std::runtime_error(
+          "ringreduce: this call cannot be captured in a CUDA graph: the stream of " + name(l) +
+          " is the legacy default stream, which cannot be used while another stream of cuda:" +
+          std::to_string(lanes[l].device) + " is being captured; run the call on the capturing "
+          "stream (or pass streams=)");
+    }
+    RR_CUDA_CHECK(err, "asking whether the stream of " + name(l) + " is being captured");
+    if (status == cudaStreamCaptureStatusNone) continue;
+    capturing = true;
+    if (used.size() > 1) {
+      throw std::runtime_error(
+          "ringreduce: this call cannot be captured in a CUDA graph: its ranks run on " +
+          std::to_string(used.size()) + " lanes (distinct devices or streams), which are "
+          "ordered by events between them; capture needs every rank on one device and one "
+          "stream");
+    }
+  }
+  return capturing;
+}
+
 }  // namespace
+
+bool check_capture(const Lane* lanes, int nlanes) {
+  std::vector<int> all;
+  for (int l = 0; l < nlanes; ++l) all.push_back(l);
+  DeviceGuard guard;
+  return capture_check(lanes, all, guard);
+}
 
 void run(const Plan& plan, const int* rank_lane, int nranks, const Lane* lanes, int nlanes,
          DType dtype, Op op, const RunOptions& options) {
@@ -71,12 +123,7 @@ void run(const Plan& plan, const int* rank_lane, int nranks, const Lane* lanes, 
   }
   std::sort(used.begin(), used.end());
   const bool multi = used.size() > 1;
-  bool shared_device = false;
-  for (size_t i = 0; i < used.size(); ++i) {
-    for (size_t j = i + 1; j < used.size(); ++j) {
-      shared_device = shared_device || lanes[used[i]].device == lanes[used[j]].device;
-    }
-  }
+  const bool shared_device = shares_device(lanes, used);
   auto name = [&](int l) { return describe(lanes[l], l, shared_device); };
 
   std::lock_guard<std::mutex> lock(g_mutex);
@@ -84,14 +131,27 @@ void run(const Plan& plan, const int* rank_lane, int nranks, const Lane* lanes, 
   const int64_t steps = int64_t(plan.size());
   const int64_t esize = elem_size(dtype);
 
+  // Refused under capture before anything is queued and before peer access is enabled.
+  const bool capturing = capture_check(lanes, used, guard);
+
   // Which ranks read their predecessor through copies (into a staging slot for combine hops,
-  // straight into place for copy hops), the slot of each, and the size of one slot (the
-  // largest combine hop).
+  // straight into place for copy hops), the slot of each, and the stride of the slots (the
+  // largest combine hop, rounded up to keep every slot 16-byte aligned).
+  std::map<std::pair<int, int>, bool> peer;  // (device, peer device) -> direct
+  auto direct = [&](int r) {
+    const int d = lanes[rank_lane[r]].device;
+    const int pd = lanes[rank_lane[(r + nranks - 1) % nranks]].device;
+    if (d == pd || !options.peer_access) return true;
+    auto it = peer.find({d, pd});
+    if (it == peer.end()) {
+      it = peer.emplace(std::make_pair(d, pd), options.peer_access(d, pd)).first;
+    }
+    return it->second;
+  };
   std::vector<int> slot(size_t(nranks), -1);
   std::map<int, int> slots_on;
   for (int r = 0; r < nranks && nranks > 1; ++r) {
-    const bool direct = options.direct == nullptr || options.direct[r] != 0;
-    if (!direct || options.force_copy) slot[size_t(r)] = slots_on[rank_lane[r]]++;
+    if (options.force_copy || !direct(r)) slot[size_t(r)] = slots_on[rank_lane[r]]++;
   }
   int64_t slot_bytes = 0;
   for (const PlanStep& step : plan) {
@@ -101,36 +161,19 @@ void run(const Plan& plan, const int* rank_lane, int nranks, const Lane* lanes, 
       }
     }
   }
+  slot_bytes = stage_slot_stride(slot_bytes);
   bool staged = false;
   for (const PlanStep& step : plan) {
     for (const Move& m : step.moves) {
       staged = staged || (m.src_rank != m.rank && slot[size_t(m.rank)] >= 0);
     }
   }
-
-  // A CUDA graph can hold this call only as kernels on the capturing stream: events between
-  // lanes would join other streams (or devices) into the capture, and staging needs copies
-  // and scratch memory whose lifetime the graph would own. Refused before anything is queued,
-  // so the caller's later eager calls are unaffected.
-  for (int l : used) {
-    guard.set(lanes[l].device);
-    cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
-    RR_CUDA_CHECK(cudaStreamIsCapturing(lanes[l].stream, &status),
-                  "asking whether the stream of " + name(l) + " is being captured");
-    if (status == cudaStreamCaptureStatusNone) continue;
-    if (multi) {
-      throw std::runtime_error(
-          "ringreduce: this call cannot be captured in a CUDA graph: its ranks run on " +
-          std::to_string(used.size()) + " lanes (distinct devices or streams), which are "
-          "ordered by events between them; capture needs every rank on one device and one "
-          "stream");
-    }
-    if (staged) {
-      throw std::runtime_error(
-          "ringreduce: this call cannot be captured in a CUDA graph: its hops are staged "
-          "through cudaMemcpyPeerAsync and a scratch buffer (RINGREDUCE_TRANSPORT=copy, or no "
-          "peer access between neighbours); capture needs the default transport (p2p)");
-    }
+  // Staging needs copies and scratch memory whose lifetime the graph would own.
+  if (capturing && staged) {
+    throw std::runtime_error(
+        "ringreduce: this call cannot be captured in a CUDA graph: its hops are staged "
+        "through cudaMemcpyPeerAsync and a scratch buffer (RINGREDUCE_TRANSPORT=copy, or no "
+        "peer access between neighbours); capture needs the default transport (p2p)");
   }
 
   std::map<int, char*> stage;  // lane -> staging buffer

@@ -30,11 +30,16 @@ struct Lane {
 // stream-ordered allocation: torch's caching allocator gives exactly this).
 using StageAlloc = std::function<void*(int device, cudaStream_t stream, size_t bytes)>;
 
+// Whether kernels on `device` may read `peer`'s memory directly, enabling peer access where it
+// can (the bindings: at::cuda::get_p2p_access); false stages the hop through
+// cudaMemcpyPeerAsync.
+using PeerAccess = std::function<bool(int device, int peer)>;
+
 struct RunOptions {
-  // Per rank: 1 if rank r's lane may read its ring predecessor's buffers directly (same
-  // device, or peer access from r's device to the predecessor's already enabled); 0 stages
-  // the hop through cudaMemcpyPeerAsync. Null: every rank may.
-  const uint8_t* direct = nullptr;
+  // Asked once per call for each pair of distinct devices that hold ring neighbours, and only
+  // after the stream-capture check: enabling peer access during a global-mode capture could
+  // invalidate it rather than let the call be refused cleanly. Unset: every pair may.
+  PeerAccess peer_access;
   // Stage every hop, for testing and measuring the copy transport on one GPU.
   bool force_copy = false;
   // Staging buffers, asked for only when some hop is staged.
@@ -47,9 +52,19 @@ struct RunOptions {
 // first (lanes, ranks, stream capture, staging); an error while queuing makes every lane wait
 // for what was queued before the exception propagates, so no later work overtakes it.
 // Under CUDA-graph capture, only one lane without staging is accepted (a clear error
-// otherwise, thrown before anything is queued).
+// otherwise, thrown before anything is queued or any peer access is enabled); so is a lane on
+// the legacy default stream while another stream of its device is being captured
+// (cudaErrorStreamCaptureImplicit).
 void run(const Plan& plan, const int* rank_lane, int nranks, const Lane* lanes, int nlanes,
          DType dtype, Op op, const RunOptions& options);
+
+// The capture check run() starts with, for callers that launch on lanes themselves (the
+// bindings' one-shot path): true if a lane's stream is being captured; throws the refusal
+// ("cannot be captured") when several lanes are given and one of them is, and when a lane is
+// the legacy default stream while another stream of its device is being captured
+// (cudaStreamIsCapturing's cudaErrorStreamCaptureImplicit: launching there would fail and could
+// invalidate that capture).
+bool check_capture(const Lane* lanes, int nlanes);
 
 }  // namespace cuda
 }  // namespace rr

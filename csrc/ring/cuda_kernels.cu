@@ -20,13 +20,12 @@
 #include <tuple>
 
 #include "cuda_check.h"
+#include "launch.h"
 
 namespace rr {
 namespace cuda {
 
 namespace {
-
-constexpr int kThreads = 512;
 
 struct StepParams {
   Task task[kMaxRanks];
@@ -36,7 +35,7 @@ struct StepParams {
 // blockIdx.y picks the task (one rank's chunk); blockIdx.x and threads stride over it
 // (step.h's step_thread).
 template <typename T, Op op, bool kReduce, bool kLast>
-__global__ void __launch_bounds__(kThreads) step_kernel(const __grid_constant__ StepParams p) {
+__global__ void __launch_bounds__(kStepThreads) step_kernel(const __grid_constant__ StepParams p) {
   step_thread<T, op, kReduce, kLast>(p.task[blockIdx.y], p.nranks,
                                      int64_t(blockIdx.x) * blockDim.x + threadIdx.x,
                                      int64_t(gridDim.x) * blockDim.x);
@@ -98,16 +97,13 @@ void launch_step(const Task* tasks, int ntasks, DType dtype, Op op, bool reduce,
               fn = reduce ? (last ? kernel_ptr<T, kOp, true, true>()
                                   : kernel_ptr<T, kOp, true, false>())
                           : kernel_ptr<T, kOp, false, false>());
-  const int64_t esize = elem_size(dtype);
-  const int64_t vec = 16 / esize;
-  const int64_t want = (max_n / vec + kThreads) / kThreads;
   // One full wave of resident blocks across all tasks of the launch fills the chip; how many
-  // fit per SM depends on each instantiation's registers (29-50 on sm_90 per ptxas -v).
-  const int64_t cap =
-      std::max<int64_t>(1, resident_blocks(fn, kThreads, device) / ntasks);
-  const dim3 grid(unsigned(std::min(std::max<int64_t>(want, 1), cap)), unsigned(ntasks));
+  // fit per SM depends on each instantiation's registers (docs/PTXAS.md).
+  const dim3 grid(unsigned(step_grid_x(max_n, elem_size(dtype), ntasks,
+                                       resident_blocks(fn, kStepThreads, device))),
+                  unsigned(ntasks));
   void* args[] = {&p};
-  RR_CUDA_CHECK(cudaLaunchKernel(fn, grid, dim3(kThreads), args, 0, stream),
+  RR_CUDA_CHECK(cudaLaunchKernel(fn, grid, dim3(kStepThreads), args, 0, stream),
                 std::string("launching the ") + (reduce ? "reduce" : "copy") + " kernel for " +
                     dtype_name(dtype) + " " + op_name(op) + " on cuda:" + std::to_string(device));
 }

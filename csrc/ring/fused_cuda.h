@@ -21,15 +21,21 @@ constexpr uint64_t kFusedDefaultTimeoutNs = 10ull * 1000 * 1000 * 1000;
 // allocation. After this the buffer's epochs start at 1.
 void init_fused_flags(void* flags, int64_t bytes, cudaStream_t stream);
 
+// Blocks of the fused kernel for this dtype and op the current device holds at once (SMs x the
+// occupancy calculation). Throws if the device cannot launch cooperative kernels.
+int64_t fused_resident_blocks(DType dtype, Op op);
+
 // The most blocks per rank that launch_fused_all_reduce accepts for `nranks` ranks on the
-// current device: every one of the nranks * G blocks must be resident at once (the occupancy
-// calculation for the kernel of this dtype and op x the SM count, divided by nranks). Throws if
-// the device cannot launch cooperative kernels or holds fewer than nranks blocks.
+// current device: every one of the nranks * G blocks must be resident at once
+// (rr::fused_max_blocks_per_rank of fused_resident_blocks). Throws if the device cannot launch
+// cooperative kernels or holds fewer than nranks blocks.
 int fused_max_blocks_per_rank(int nranks, DType dtype, Op op);
 
-// A block count per rank for `count` elements a rank (one block per 512 16-byte packs of a
-// chunk, within fused_max_blocks_per_rank). Set on paper, not measured.
-int fused_blocks_per_rank(int nranks, int64_t count, DType dtype, Op op);
+// The blocks per rank a call with `requested` blocks (0: the suggested count) and a flag buffer
+// of `flags_bytes` uses on the current device: rr::fused_blocks_per_rank (launch.h) with this
+// device's capacity. Throws std::invalid_argument when the flag buffer is too small.
+int fused_blocks_per_rank(int requested, int nranks, int64_t count, DType dtype, Op op,
+                          int64_t flags_bytes);
 
 // out[r] = the all-reduce of in[0..nranks) (count elements each), bit for bit what the ring
 // (rr::cpu::all_reduce, launch_step) and the one-shot give, in ONE cooperative kernel queued on

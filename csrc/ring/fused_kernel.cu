@@ -10,14 +10,12 @@
 #include "cuda_check.h"
 #include "cuda_kernels.h"
 #include "fused.h"
+#include "launch.h"
 
 namespace rr {
 namespace cuda {
 
 namespace {
-
-// Set on paper like launch_step's (same per-thread work per step), not measured.
-constexpr int kThreads = 512;
 
 // %globaltimer: nanoseconds, the same clock on every SM and independent of the SM clock (which
 // boost changes), so the bound is wall time; clock64 would count cycles of one SM.
@@ -90,7 +88,7 @@ struct DeviceSync {
 };
 
 template <typename T, Op op>
-__global__ void __launch_bounds__(kThreads)
+__global__ void __launch_bounds__(kFusedThreads)
     fused_kernel(const __grid_constant__ FusedArgs a, uint64_t* flags, uint64_t timeout_ns) {
   DeviceSync sync{flags, timeout_ns};
   fused_all_reduce_block<T, op>(a, int(blockIdx.x) / a.blocks, int(blockIdx.x) % a.blocks, sync);
@@ -116,7 +114,7 @@ int64_t cooperative_capacity(const void* fn, int* device_out) {
         std::to_string(device) + " does not support");
   }
   if (device_out != nullptr) *device_out = device;
-  return resident_blocks(fn, kThreads, device);
+  return resident_blocks(fn, kFusedThreads, device);
 }
 
 }  // namespace
@@ -130,26 +128,20 @@ void init_fused_flags(void* flags, int64_t bytes, cudaStream_t stream) {
   RR_CUDA_CHECK(cudaMemsetAsync(flags, 0, size_t(bytes), stream), "zeroing a fused flag buffer");
 }
 
-int fused_max_blocks_per_rank(int nranks, DType dtype, Op op) {
-  if (nranks < 1 || nranks > kFusedMaxRanks) {
-    throw std::invalid_argument("ringreduce: the fused all-reduce takes 1 to " +
-                                std::to_string(kFusedMaxRanks) + " ranks, got nranks=" +
-                                std::to_string(nranks));
-  }
-  int device = 0;
-  const int64_t cap = cooperative_capacity(fused_kernel_for(dtype, op), &device);
-  if (cap < nranks) {
-    throw std::runtime_error("ringreduce: cuda:" + std::to_string(device) + " holds " +
-                             std::to_string(cap) + " blocks of the fused all-reduce at once, " +
-                             "fewer than nranks=" + std::to_string(nranks));
-  }
-  return int(std::min<int64_t>(cap / nranks, 1 << 20));
+int64_t fused_resident_blocks(DType dtype, Op op) {
+  return cooperative_capacity(fused_kernel_for(dtype, op), nullptr);
 }
 
-int fused_blocks_per_rank(int nranks, int64_t count, DType dtype, Op op) {
-  const int64_t packs = (chunk_elems(count, nranks, elem_size(dtype)) * elem_size(dtype) + 15) / 16;
-  const int64_t want = std::max<int64_t>(1, (packs + kThreads - 1) / kThreads);
-  return int(std::min<int64_t>(want, fused_max_blocks_per_rank(nranks, dtype, op)));
+int fused_max_blocks_per_rank(int nranks, DType dtype, Op op) {
+  check_fused_nranks(nranks);  // before asking the device
+  return rr::fused_max_blocks_per_rank(nranks, fused_resident_blocks(dtype, op));
+}
+
+int fused_blocks_per_rank(int requested, int nranks, int64_t count, DType dtype, Op op,
+                          int64_t flags_bytes) {
+  check_fused_nranks(nranks);
+  return rr::fused_blocks_per_rank(requested, nranks, count, elem_size(dtype),
+                                   fused_resident_blocks(dtype, op), flags_bytes);
 }
 
 void launch_fused_all_reduce(const void* const* in, void* const* out, int nranks, int64_t count,
@@ -198,7 +190,7 @@ void launch_fused_all_reduce(const void* const* in, void* const* out, int nranks
   void* params[] = {&args, &words, &timeout};
   // A cooperative launch starts the grid only when every block can be resident at once, and
   // fails (cudaErrorCooperativeLaunchTooLarge) rather than run part of it.
-  RR_CUDA_CHECK(cudaLaunchCooperativeKernel(fn, dim3(unsigned(grid)), dim3(kThreads), params, 0,
+  RR_CUDA_CHECK(cudaLaunchCooperativeKernel(fn, dim3(unsigned(grid)), dim3(kFusedThreads), params, 0,
                                             stream),
                 "launching " + what);
 }

@@ -78,7 +78,11 @@ struct OneshotArgs {
   void* out[kOneshotMaxRanks];
   int nranks;
   int64_t count;
-  bool vec;  // every in[] and out[] is 16-byte aligned: the body moves Pack<T>s
+  // Bit r: in[r] (out[r]) is 16-byte aligned, so its packs move as one 16-byte access; the
+  // packs of a rank that is not are loaded and stored lane by lane, and only that rank's
+  // (a tensor at an odd storage offset slows its own accesses, not every rank's).
+  uint64_t in_packed, out_packed;
+  bool vec;  // some in[] or out[] is 16-byte aligned: the body moves Pack<T>s
 };
 
 inline OneshotArgs make_oneshot_args(const void* const* in, void* const* out, int nranks,
@@ -89,16 +93,50 @@ inline OneshotArgs make_oneshot_args(const void* const* in, void* const* out, in
                                 std::to_string(nranks));
   }
   OneshotArgs a{};
-  uintptr_t bits = 0;
   for (int r = 0; r < nranks; ++r) {
     a.in[r] = in[r];
     a.out[r] = out[r];
-    bits |= reinterpret_cast<uintptr_t>(in[r]) | reinterpret_cast<uintptr_t>(out[r]);
+    if ((reinterpret_cast<uintptr_t>(in[r]) & 15) == 0) a.in_packed |= uint64_t(1) << r;
+    if ((reinterpret_cast<uintptr_t>(out[r]) & 15) == 0) a.out_packed |= uint64_t(1) << r;
   }
   a.nranks = nranks;
   a.count = count;
-  a.vec = (bits & 15) == 0;
+  a.vec = (a.in_packed | a.out_packed) != 0;
   return a;
+}
+
+// Pack v of `base`: one 16-byte access where `packed`, lane by lane otherwise.
+template <typename T>
+RR_HD Pack<T> load_pack(const void* base, int64_t v, bool packed) {
+  if (packed) return static_cast<const Pack<T>*>(base)[v];
+  Pack<T> x;
+  const T* e = static_cast<const T*>(base) + v * Pack<T>::kLanes;
+  for (int l = 0; l < Pack<T>::kLanes; ++l) x.lane[l] = e[l];
+  return x;
+}
+
+template <typename T>
+RR_HD void store_pack(void* base, int64_t v, const Pack<T>& x, bool packed) {
+  if (packed) {
+    static_cast<Pack<T>*>(base)[v] = x;
+    return;
+  }
+  T* e = static_cast<T*>(base) + v * Pack<T>::kLanes;
+  for (int l = 0; l < Pack<T>::kLanes; ++l) e[l] = x.lane[l];
+}
+
+// reduce_in_ring_order for pack v, each rank's pack loaded as its alignment allows.
+template <typename T, Op op>
+RR_HD Pack<T> reduce_pack_in_ring_order(const OneshotArgs& a, int64_t v, int chunk) {
+  Pack<T> acc = load_pack<T>(a.in[chunk], v, (a.in_packed >> chunk) & 1);
+  int r = chunk;
+  RR_ONESHOT_UNROLL
+  for (int j = 1; j < a.nranks; ++j) {
+    r = r + 1 == a.nranks ? 0 : r + 1;
+    const Pack<T> x = load_pack<T>(a.in[r], v, (a.in_packed >> r) & 1);
+    acc = ring_hop<T, op>(x, acc, j == a.nranks - 1, a.nranks);
+  }
+  return acc;
 }
 
 // What one CUDA thread does: packs (then the elements after the last whole pack) first,
@@ -113,8 +151,8 @@ RR_HD void oneshot_thread(const OneshotArgs& a, int64_t first, int64_t stride) {
     const int64_t npacks = a.count / kLanes;
     for (int64_t v = first; v < npacks; v += stride) {
       const int c = chunk_of(v * kLanes, a.count, a.nranks, esize);
-      const Pack<T> x = reduce_in_ring_order<T, op, Pack<T>>(a.in, v, a.nranks, c);
-      for (int r = 0; r < a.nranks; ++r) static_cast<Pack<T>*>(a.out[r])[v] = x;
+      const Pack<T> x = reduce_pack_in_ring_order<T, op>(a, v, c);
+      for (int r = 0; r < a.nranks; ++r) store_pack<T>(a.out[r], v, x, (a.out_packed >> r) & 1);
     }
     head = npacks * kLanes;
   }

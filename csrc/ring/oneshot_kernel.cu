@@ -8,6 +8,7 @@
 
 #include "cuda_check.h"
 #include "cuda_kernels.h"
+#include "launch.h"
 #include "oneshot.h"
 
 namespace rr {
@@ -15,10 +16,9 @@ namespace cuda {
 
 namespace {
 
-constexpr int kThreads = 256;
-
 template <typename T, Op op>
-__global__ void __launch_bounds__(kThreads) oneshot_kernel(const __grid_constant__ OneshotArgs a) {
+__global__ void __launch_bounds__(kOneshotThreads)
+    oneshot_kernel(const __grid_constant__ OneshotArgs a) {
   oneshot_thread<T, op>(a, int64_t(blockIdx.x) * blockDim.x + threadIdx.x,
                         int64_t(gridDim.x) * blockDim.x);
 }
@@ -38,12 +38,11 @@ void launch_oneshot(const void* const* in, void* const* out, int nranks, int64_t
   RR_CUDA_CHECK(cudaGetDevice(&device), "launching the one-shot all-reduce");
   // One thread per pack (or element), so a small call takes few blocks and leaves the other SMs
   // to whatever runs beside it; a large one takes one wave of resident blocks and strides.
-  const int64_t lanes = 16 / elem_size(dtype);
-  const int64_t items = a.vec ? std::max(count / lanes, count % lanes) : count;
-  const int64_t want = (items + kThreads - 1) / kThreads;
-  const int64_t blocks = std::min(want, resident_blocks(fn, kThreads, device));
+  const int64_t blocks = oneshot_grid(count, elem_size(dtype), a.vec,
+                                      resident_blocks(fn, kOneshotThreads, device));
   void* args[] = {&a};
-  RR_CUDA_CHECK(cudaLaunchKernel(fn, dim3(unsigned(blocks)), dim3(kThreads), args, 0, stream),
+  RR_CUDA_CHECK(cudaLaunchKernel(fn, dim3(unsigned(blocks)), dim3(kOneshotThreads), args, 0,
+                                 stream),
                 std::string("launching the one-shot all-reduce kernel (") + dtype_name(dtype) +
                     " " + op_name(op) + ", " + std::to_string(nranks) + " ranks, " +
                     std::to_string(count) + " elements) on cuda:" + std::to_string(device));

@@ -33,6 +33,7 @@ struct FakeStream {
   int device;
   int index;
   bool capturing = false;
+  bool capture_implicit = false;
   std::deque<FakeOperation> queue;
 };
 
@@ -52,6 +53,8 @@ struct State {
   std::mt19937 rng;
   long fail_in = -1, drop_in = -1;
   long mark = 0, stale = 0, failable = 0;
+  std::map<uintptr_t, uintptr_t> staging;  // begin -> end
+  long misaligned_staged = 0;
   std::string log;
 };
 
@@ -180,6 +183,28 @@ bool fake_drain() {
 void fake_fail_call(long n) { g.fail_in = n; }
 void fake_drop_wait(long n) { g.drop_in = n; }
 void fake_set_capturing(cudaStream_t stream, bool capturing) { stream->capturing = capturing; }
+void fake_set_capture_implicit(cudaStream_t stream, bool implicit) {
+  stream->capture_implicit = implicit;
+}
+
+void fake_note_staging(const void* p, size_t bytes) {
+  const uintptr_t b = reinterpret_cast<uintptr_t>(p);
+  g.staging[b] = b + bytes;
+}
+void fake_forget_staging() { g.staging.clear(); }
+long fake_misaligned_staged_reads() { return g.misaligned_staged; }
+
+namespace {
+
+bool in_staging(const void* p) {
+  const uintptr_t a = reinterpret_cast<uintptr_t>(p);
+  auto it = g.staging.upper_bound(a);
+  if (it == g.staging.begin()) return false;
+  --it;
+  return a >= it->first && a < it->second;
+}
+
+}  // namespace
 
 void fake_mark() {
   ++g.mark;
@@ -258,6 +283,7 @@ cudaError_t cudaMemcpyPeerAsync(void* dst, int dst_device, const void* src, int 
 
 cudaError_t cudaStreamIsCapturing(cudaStream_t stream, cudaStreamCaptureStatus* status) {
   if (inject_failure()) return cudaErrorUnknown;
+  if (stream->capture_implicit) return cudaErrorStreamCaptureImplicit;
   *status = stream->capturing ? cudaStreamCaptureStatusActive : cudaStreamCaptureStatusNone;
   return cudaSuccess;
 }
@@ -274,6 +300,9 @@ void launch_step(const Task* tasks, int ntasks, DType dtype, Op op, bool reduce,
   }
   if (ntasks > kMaxRanks) throw std::runtime_error("fake_lanes: too many tasks in one launch");
   std::vector<Task> copy(tasks, tasks + ntasks);
+  for (const Task& t : copy) {
+    if (in_staging(t.src) && reinterpret_cast<uintptr_t>(t.src) % 16 != 0) ++g.misaligned_staged;
+  }
   FakeOperation o;
   o.fn = [=] {
     for (const Task& t : copy) {

@@ -127,24 +127,53 @@ rr::Plan make_plan(Coll c, std::vector<Rank>& ranks, int64_t count, int root, in
 }
 
 // A staging allocator like a stream-ordered caching allocator: a lane's buffer is reused by
-// the next call on that lane without any synchronisation, and replaced when too small.
+// the next call on that lane without any synchronisation, and replaced when too small. Buffers
+// are 16-byte aligned, as the caching allocator's are, and noted with the fake, which counts
+// staged reads the kernels could not take as 16-byte packs.
 struct Stager {
   std::map<cudaStream_t, Bytes*> current;
   std::vector<Bytes*> all;
   ~Stager() {
+    fake_forget_staging();
     for (Bytes* b : all) delete b;
+  }
+  static unsigned char* aligned(Bytes* b) {
+    const uintptr_t p = reinterpret_cast<uintptr_t>(b->data());
+    return b->data() + (16 - p % 16) % 16;
   }
   rr::cuda::StageAlloc alloc() {
     return [this](int, cudaStream_t s, size_t bytes) -> void* {
       Bytes*& b = current[s];
-      if (b == nullptr || b->size() < bytes) {
-        all.push_back(new Bytes(bytes, 0xAB));
+      if (b == nullptr || b->size() < bytes + 16) {
+        all.push_back(new Bytes(bytes + 16, 0xAB));
         b = all.back();
       }
-      return b->data();
+      fake_note_staging(aligned(b), bytes);
+      return aligned(b);
     };
   }
 };
+
+long g_peer_calls = 0;  // calls of the executor's peer_access callback
+
+// The layout's peer access as the executor asks for it: a pair of devices is direct unless a
+// rank on the first device has its predecessor on the second and is marked not direct.
+rr::cuda::PeerAccess peer_access_of(const Layout& layout) {
+  if (layout.direct.empty()) return {};
+  return [layout](int device, int peer) {
+    ++g_peer_calls;
+    const int n = int(layout.rank_lane.size());
+    for (int r = 0; r < n; ++r) {
+      const int p = (r + n - 1) % n;
+      if (layout.lane_device[size_t(layout.rank_lane[size_t(r)])] == device &&
+          layout.lane_device[size_t(layout.rank_lane[size_t(p)])] == peer &&
+          layout.direct[size_t(r)] == 0) {
+        return false;
+      }
+    }
+    return true;
+  };
+}
 
 struct Scenario {
   Layout layout;
@@ -157,7 +186,6 @@ struct Scenario {
   int prefer_lane = -1;
   unsigned seed = 0;
   long drop_wait = -1;
-  bool capturing = false;
 };
 
 std::string describe(const Scenario& s) {
@@ -234,7 +262,7 @@ Outcome run(const Scenario& s, long fail_call = -1, int fail_at = -1) {
                   s.seed);
   Stager stager;
   rr::cuda::RunOptions options;
-  options.direct = s.layout.direct.empty() ? nullptr : s.layout.direct.data();
+  options.peer_access = peer_access_of(s.layout);
   options.force_copy = s.copy;
   options.alloc = stager.alloc();
   for (int call = 0; call < s.calls; ++call) {
@@ -251,7 +279,6 @@ Outcome run(const Scenario& s, long fail_call = -1, int fail_at = -1) {
     const bool failing = call == fail_at;
     if (failing) fake_fail_call(fail_call);
     if (s.drop_wait >= 0) fake_drop_wait(s.drop_wait);
-    for (const auto& l : lanes) fake_set_capturing(l.stream, s.capturing);
     try {
       rr::cuda::run(make_plan(s.coll, dev, count, root, esize), s.layout.rank_lane.data(), s.n,
                     lanes.data(), int(lanes.size()), s.dtype, op, options);
@@ -270,7 +297,6 @@ Outcome run(const Scenario& s, long fail_call = -1, int fail_at = -1) {
     }
     fake_fail_call(-1);
     fake_drop_wait(-1);
-    for (const auto& l : lanes) fake_set_capturing(l.stream, false);
     o.log = fake_log();
     if (failing) o.failed_log = o.log;
     o.failable = fake_failable_calls();
@@ -360,8 +386,10 @@ int matrix() {
     }
   }
   const long stale = fake_stale_waits();
-  std::printf("matrix: %ld cases, %ld wrong, %ld stale waits\n", cases, bad, stale);
-  return bad == 0 && stale == 0 && cases > 0 ? 0 : 1;
+  const long misaligned = fake_misaligned_staged_reads();
+  std::printf("matrix: %ld cases, %ld wrong, %ld stale waits, %ld misaligned staged reads\n",
+              cases, bad, stale, misaligned);
+  return bad == 0 && stale == 0 && misaligned == 0 && cases > 0 ? 0 : 1;
 }
 
 // Whether a failed call queued nothing, or ended by joining its lanes: a record on every lane,
@@ -425,69 +453,128 @@ int failures() {
   return bad == 0 && cases > 0 ? 0 : 1;
 }
 
+// Leaves every lane's stream neither capturing nor failing the capture query.
+void stop_capture(const std::vector<rr::cuda::Lane>& lanes) {
+  for (const auto& l : lanes) {
+    fake_set_capturing(l.stream, false);
+    fake_set_capture_implicit(l.stream, false);
+  }
+}
+
+// Runs one all-reduce on `layout` with every lane capturing (or, `implicit`, with lane 0's
+// stream failing the capture query as the legacy stream does while another stream captures);
+// returns the exception's message and, in *log and *peer_calls, what it queued and how often it
+// asked for peer access.
+std::string captured_call(const Layout& layout, int n, bool copy, bool implicit, std::string* log,
+                          long* peer_calls) {
+  std::vector<Rank> dev(static_cast<size_t>(n));
+  for (int r = 0; r < n; ++r) {
+    dev[size_t(r)].in.assign(size_t(kCapacity) * 4, 0);
+    fill(dev[size_t(r)].in, DType::I32, uint64_t(r));
+  }
+  std::vector<rr::cuda::Lane> lanes;
+  for (int d : layout.lane_device) lanes.push_back(rr::cuda::Lane{d, fake_stream(d)});
+  for (const auto& l : lanes) fake_set_capturing(l.stream, !implicit);
+  if (implicit) fake_set_capture_implicit(lanes[0].stream, true);
+  Stager stager;
+  rr::cuda::RunOptions options;
+  options.peer_access = peer_access_of(layout);
+  options.force_copy = copy;
+  options.alloc = stager.alloc();
+  fake_mark();
+  const long peer_before = g_peer_calls;
+  std::string error;
+  try {
+    rr::cuda::run(make_plan(Coll::AllReduce, dev, kCapacity, 0, 4), layout.rank_lane.data(), n,
+                  lanes.data(), int(lanes.size()), DType::I32, Op::Sum, options);
+  } catch (const std::exception& e) {
+    error = e.what();
+  }
+  *log = fake_log();
+  *peer_calls = g_peer_calls - peer_before;
+  stop_capture(lanes);
+  fake_drain();
+  fake_release_streams();
+  return error;
+}
+
 int capture() {
   long refused = 0, captured = 0, bad = 0;
   for (int n : {2, 3, 4}) {
-    for (const Layout& layout : layouts(n)) {
+    for (Layout layout : layouts(n)) {
+      // Every layout with a pair of devices without peer access, so that a peer-access query
+      // made under capture would be seen.
+      if (layout.lane_device.size() > 1 && layout.direct.empty()) {
+        layout.direct.assign(size_t(n), 1);
+        layout.direct[0] = 0;
+      }
       for (bool copy : {false, true}) {
-        Scenario s;
-        s.layout = layout;
-        s.n = n;
-        s.copy = copy;
-        s.calls = 1;
-        s.capturing = true;
-        const bool ok_to_capture = layout.lane_device.size() == 1 && !copy;
-        // Run by hand to see the exception and what was queued.
-        std::vector<Rank> dev(static_cast<size_t>(n));
-        for (int r = 0; r < n; ++r) {
-          dev[size_t(r)].in.assign(size_t(kCapacity) * 4, 0);
-          fill(dev[size_t(r)].in, DType::I32, uint64_t(r));
-        }
-        std::vector<rr::cuda::Lane> lanes;
-        for (int d : layout.lane_device) lanes.push_back(rr::cuda::Lane{d, fake_stream(d)});
-        for (const auto& l : lanes) fake_set_capturing(l.stream, true);
-        Stager stager;
-        rr::cuda::RunOptions options;
-        options.direct = layout.direct.empty() ? nullptr : layout.direct.data();
-        options.force_copy = copy;
-        options.alloc = stager.alloc();
-        fake_mark();
-        std::string error;
-        try {
-          rr::cuda::run(make_plan(Coll::AllReduce, dev, kCapacity, 0, 4),
-                        layout.rank_lane.data(), n, lanes.data(), int(lanes.size()), DType::I32,
-                        Op::Sum, options);
-        } catch (const std::exception& e) {
-          error = e.what();
-        }
-        const std::string log = fake_log();
-        fake_drain();
-        fake_release_streams();
-        const bool said = error.find("cannot be captured") != std::string::npos;
-        if (ok_to_capture) {
-          if (!error.empty() || log.find_first_not_of('L') != std::string::npos) {
+        for (bool implicit : {false, true}) {
+          const bool ok_to_capture = !implicit && layout.lane_device.size() == 1 && !copy;
+          std::string log;
+          long peer_calls = 0;
+          const std::string error = captured_call(layout, n, copy, implicit, &log, &peer_calls);
+          const bool said = error.find("cannot be captured") != std::string::npos &&
+                            (!implicit || error.find("legacy default stream") != std::string::npos);
+          const char* mode = implicit ? "implicit" : "capturing";
+          if (peer_calls != 0) {
             ++bad;
-            std::printf("FAIL capture of %s n=%d: error '%s', log %s\n", layout.name.c_str(), n,
-                        error.c_str(), log.c_str());
+            std::printf("FAIL %s n=%d %s %s: peer access asked for %ld times under capture\n",
+                        layout.name.c_str(), n, copy ? "copy" : "p2p", mode, peer_calls);
           }
-          ++captured;
-        } else {
-          if (!said || !log.empty()) {
+          if (ok_to_capture) {
+            if (!error.empty() || log.find_first_not_of('L') != std::string::npos) {
+              ++bad;
+              std::printf("FAIL capture of %s n=%d: error '%s', log %s\n", layout.name.c_str(),
+                          n, error.c_str(), log.c_str());
+            }
+            ++captured;
+          } else {
+            if (!said || !log.empty()) {
+              ++bad;
+              std::printf("FAIL %s n=%d %s %s: error '%s', queued '%s'\n", layout.name.c_str(),
+                          n, copy ? "copy" : "p2p", mode, error.c_str(), log.c_str());
+            }
+            ++refused;
+          }
+          // Eager calls afterwards are unaffected.
+          Scenario s;
+          s.layout = layout;
+          s.n = n;
+          s.copy = copy;
+          s.calls = 2;
+          const Outcome o = run(s);
+          if (!o.ok || !o.match) {
             ++bad;
-            std::printf("FAIL %s n=%d %s under capture: error '%s', queued '%s'\n",
-                        layout.name.c_str(), n, copy ? "copy" : "p2p", error.c_str(),
-                        log.c_str());
+            std::printf("FAIL %s: eager calls after a refused capture\n", describe(s).c_str());
           }
-          ++refused;
         }
-        // Eager calls afterwards are unaffected.
-        s.capturing = false;
-        s.calls = 2;
-        const Outcome o = run(s);
-        if (!o.ok || !o.match) {
-          ++bad;
-          std::printf("FAIL %s: eager calls after a refused capture\n", describe(s).c_str());
-        }
+      }
+    }
+  }
+  // check_capture, which the bindings' one-shot path calls before launching on its one lane.
+  for (int nlanes : {1, 2}) {
+    for (int mode = 0; mode < 3; ++mode) {  // not capturing, capturing, implicit (lane 0)
+      std::vector<rr::cuda::Lane> lanes;
+      for (int l = 0; l < nlanes; ++l) lanes.push_back(rr::cuda::Lane{0, fake_stream(0)});
+      for (const auto& l : lanes) fake_set_capturing(l.stream, mode == 1);
+      if (mode == 2) fake_set_capture_implicit(lanes[0].stream, true);
+      std::string error;
+      bool capturing = false;
+      try {
+        capturing = rr::cuda::check_capture(lanes.data(), nlanes);
+      } catch (const std::exception& e) {
+        error = e.what();
+      }
+      stop_capture(lanes);
+      fake_release_streams();
+      const bool refuse = mode == 2 || (mode == 1 && nlanes > 1);
+      const bool ok = refuse ? error.find("cannot be captured") != std::string::npos
+                             : error.empty() && capturing == (mode == 1);
+      if (!ok) {
+        ++bad;
+        std::printf("FAIL check_capture on %d lanes, mode %d: capturing=%d error '%s'\n",
+                    nlanes, mode, int(capturing), error.c_str());
       }
     }
   }

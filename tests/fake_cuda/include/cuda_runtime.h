@@ -18,6 +18,7 @@ enum cudaError_t {
   cudaSuccess = 0,
   cudaErrorInvalidValue = 1,
   cudaErrorNotReady = 600,
+  cudaErrorStreamCaptureImplicit = 906,
   cudaErrorUnknown = 999
 };
 typedef struct FakeStream* cudaStream_t;

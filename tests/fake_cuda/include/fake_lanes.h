@@ -41,6 +41,14 @@ void fake_fail_call(long n);
 // The n-th (0-based) cudaStreamWaitEvent from now is accepted and ignored; -1 disables.
 void fake_drop_wait(long n);
 void fake_set_capturing(cudaStream_t stream, bool capturing);
+// cudaStreamIsCapturing on `stream` fails with cudaErrorStreamCaptureImplicit, as it does on
+// the legacy default stream while another stream of its device captures in global mode.
+void fake_set_capture_implicit(cudaStream_t stream, bool implicit);
+// Staging memory handed out by the caller's allocator: launches that read it at an address that
+// is not 16-byte aligned are counted (such a read takes the kernels' element path).
+void fake_note_staging(const void* p, size_t bytes);
+void fake_forget_staging();  // the staging memory noted so far is freed
+long fake_misaligned_staged_reads();
 // Starts a new call: a later wait on an event whose latest record came before this mark
 // counts as stale.
 void fake_mark();

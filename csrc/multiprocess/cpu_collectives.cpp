@@ -104,12 +104,13 @@ void small_all_reduce(HostGroup& g, const Ctx& ctx, void* data, int64_t count, D
     if (chunk.count == 0) continue;
     const int64_t off = chunk.offset * esize;
     char* dst = out + off;
-    std::memcpy(dst, g.small_data(c, s) + off, size_t(chunk.count * esize));
     for (int j = 1; j < n; ++j) {
       const int r = (c + j) % n;
-      // The ring's hop at rank r: combine(own = r's input, incoming = the partial so far).
-      ::rr::cpu::combine(dtype, op, dst, g.small_data(r, s) + off, dst, chunk.count, j == n - 1,
-                         n);
+      // The ring's hop at rank r: combine(own = r's input, incoming = the partial so far). The
+      // first hop's partial is rank c's input itself, read from its slot (no copy first).
+      const char* partial = j == 1 ? g.small_data(c, s) + off : dst;
+      ::rr::cpu::combine(dtype, op, dst, g.small_data(r, s) + off, partial, chunk.count,
+                         j == n - 1, n);
     }
   }
   g.end_phase(1);

@@ -121,6 +121,18 @@ class Event {
 };
 #endif
 
+// Runs `fn` when the scope ends, however it ends.
+class Finally {
+ public:
+  explicit Finally(std::function<void()> fn) : fn_(std::move(fn)) {}
+  ~Finally() { fn_(); }
+  Finally(const Finally&) = delete;
+  Finally& operator=(const Finally&) = delete;
+
+ private:
+  std::function<void()> fn_;
+};
+
 // ---- transports --------------------------------------------------------------------------
 // What moves a group's bytes: the native Comm (one host), or a Python object with the same
 // methods (ringreduce/hierarchy.py: several hosts, composed with torch's gloo/NCCL).
@@ -1163,16 +1175,14 @@ class RingReduceBackend final : public c10d::Backend {
     const Clock::time_point deadline = Clock::now() + grace;
     engine_->stop(deadline);
     std::unique_ptr<P2PEngine> p2p;
-    std::vector<std::thread> waiters;
+    std::vector<XhostWaiter> waiters;
     {
       const std::lock_guard<std::mutex> held(p2p_mu_);
       p2p = std::move(p2p_);
       waiters.swap(xhost_waiters_);
     }
     if (p2p) p2p->stop(deadline);
-    for (auto& t : waiters) {
-      if (t.joinable()) t.join();  // each is bounded by gloo's timeout
-    }
+    for (auto& w : waiters) w.thread.join();  // each is bounded by gloo's timeout
     try {
       g_->transport->close();
     } catch (const std::exception&) {
@@ -1906,7 +1916,9 @@ class RingReduceBackend final : public c10d::Backend {
     }
     if (is_send) work->finish(nullptr);
     auto g = g_;
-    std::thread waiter([g, work, transport, posted, is_send, peer, tag, host, t] {
+    auto done = std::make_shared<std::atomic<bool>>(false);
+    std::thread waiter([g, work, transport, posted, is_send, peer, tag, host, t, done] {
+      const Finally mark_done([&] { done->store(true, std::memory_order_release); });
       int source = peer;
       std::string error;
       {
@@ -1933,7 +1945,15 @@ class RingReduceBackend final : public c10d::Backend {
       }
     });
     const std::lock_guard<std::mutex> held(p2p_mu_);
-    xhost_waiters_.push_back(std::move(waiter));
+    // Joins the waiters that have finished, so that a long run of messages keeps few threads.
+    auto finished = std::remove_if(xhost_waiters_.begin(), xhost_waiters_.end(),
+                                   [](XhostWaiter& w) {
+                                     if (!w.done->load(std::memory_order_acquire)) return false;
+                                     w.thread.join();
+                                     return true;
+                                   });
+    xhost_waiters_.erase(finished, xhost_waiters_.end());
+    xhost_waiters_.push_back(XhostWaiter{std::move(waiter), done});
     return work;
   }
 
@@ -1942,7 +1962,11 @@ class RingReduceBackend final : public c10d::Backend {
   std::shared_ptr<Engine> engine_;
   std::mutex p2p_mu_;
   std::unique_ptr<P2PEngine> p2p_;
-  std::vector<std::thread> xhost_waiters_;
+  struct XhostWaiter {
+    std::thread thread;
+    std::shared_ptr<std::atomic<bool>> done;  // set as the thread's last act
+  };
+  std::vector<XhostWaiter> xhost_waiters_;
   std::mutex shut_mu_;
   bool shut_ = false;
 };

@@ -150,3 +150,62 @@ def test_accelerate_on_cpu_needs_the_group_initialised_first(tmp_path):
         out[mode] = [(tmp_path / f"{mode}-{rank}").read_text() for rank in range(2)]
     assert all(r.startswith("refused") and "gloo" in r for r in out["kwarg"]), out["kwarg"]
     assert out["init"] == ["ringreduce [3.0] [1, 11]"] * 2, out["init"]
+
+
+LIGHTNING_SCRIPT = """
+import sys, torch, lightning as L
+import ringreduce
+from lightning.pytorch.strategies import DDPStrategy
+
+
+class Model(L.LightningModule):
+    def __init__(self):
+        super().__init__()
+        self.net = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(),
+                                       torch.nn.Linear(32, 1))
+
+    def training_step(self, batch, i):
+        x, y = batch
+        loss = torch.nn.functional.mse_loss(self.net(x), y)
+        self.log("loss", loss, sync_dist=True)
+        return loss
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+backend, out = sys.argv[1], sys.argv[2]
+L.seed_everything(0)
+g = torch.Generator().manual_seed(0)
+data = torch.utils.data.TensorDataset(torch.randn(128, 16, generator=g),
+                                      torch.randn(128, 1, generator=g))
+trainer = L.Trainer(accelerator="cpu", devices=2,
+                    strategy=DDPStrategy(process_group_backend=backend), max_epochs=2,
+                    enable_progress_bar=False, enable_checkpointing=False, logger=False)
+model = Model()
+trainer.fit(model, torch.utils.data.DataLoader(data, batch_size=16))
+params = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+torch.save({"params": params, "loss": trainer.callback_metrics["loss"]},
+           f"{out}-{trainer.global_rank}.pt")
+"""
+
+
+@pytest.mark.skipif(importlib.util.find_spec("lightning") is None,
+                    reason="lightning is not installed (pip install lightning)")
+def test_lightning_ddp_under_torchrun_trains_like_gloo(tmp_path):
+    """Lightning's DDPStrategy with process_group_backend="ringreduce" under torchrun: the same
+    parameters and logged loss as with gloo, on both ranks."""
+    script = tmp_path / "lt.py"
+    script.write_text(LIGHTNING_SCRIPT)
+    got = {}
+    for backend in ("gloo", "ringreduce"):
+        proc = subprocess.run(
+            [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+             "--master_addr", "127.0.0.1", "--master_port", str(_free_port()), str(script),
+             backend, str(tmp_path / backend)], capture_output=True, text=True, timeout=240)
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+        got[backend] = [torch.load(tmp_path / f"{backend}-{r}.pt") for r in range(2)]
+    for r in range(2):
+        assert torch.equal(got["ringreduce"][r]["params"], got["gloo"][r]["params"]), r
+        assert torch.equal(got["ringreduce"][r]["loss"], got["gloo"][r]["loss"]), r
+    assert torch.equal(got["ringreduce"][0]["params"], got["ringreduce"][1]["params"])

@@ -5,7 +5,6 @@ callbacks wait on nested collectives), callbacks that wait on a nested collectiv
 copy-backs under inference mode, and an interpreter exit with work still posted.
 """
 import os
-import socket
 import subprocess
 import sys
 import textwrap
@@ -15,6 +14,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from test_clients import _free_port
 from test_distributed import _shm_names, init, run_ranks, values
 
 
@@ -125,12 +125,6 @@ def test_copy_backs_work_under_inference_mode_and_for_leaves(tmp_path):
         assert torch.equal(got[:, ::2], expect[:, ::2]), got
         assert out["gathered"] == [[[0.0, 0.0]] * 2, [[1.0, 1.0]] * 2]
         assert out["leaf"] == [2.0] * 6
-
-
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 EXIT_SCRIPT = textwrap.dedent("""

@@ -132,6 +132,14 @@ def _free_port():
         return s.getsockname()[1]
 
 
+def _torchrun(script, *args, timeout):
+    """Runs `script` under torchrun with 2 processes on this host; returns the CompletedProcess."""
+    return subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+         "--master_addr", "127.0.0.1", "--master_port", str(_free_port()), str(script),
+         *map(str, args)], capture_output=True, text=True, timeout=timeout)
+
+
 @pytest.mark.skipif(importlib.util.find_spec("accelerate") is None,
                     reason="accelerate is not installed (.ci/run installs it)")
 def test_accelerate_on_cpu_needs_the_group_initialised_first(tmp_path):
@@ -142,10 +150,7 @@ def test_accelerate_on_cpu_needs_the_group_initialised_first(tmp_path):
     script.write_text(ACCELERATE_SCRIPT)
     out = {}
     for mode in ("kwarg", "init"):
-        proc = subprocess.run(
-            [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
-             "--master_addr", "127.0.0.1", "--master_port", str(_free_port()), str(script),
-             mode, str(tmp_path)], capture_output=True, text=True, timeout=180)
+        proc = _torchrun(script, mode, tmp_path, timeout=180)
         assert proc.returncode == 0, proc.stdout + proc.stderr
         out[mode] = [(tmp_path / f"{mode}-{rank}").read_text() for rank in range(2)]
     assert all(r.startswith("refused") and "gloo" in r for r in out["kwarg"]), out["kwarg"]
@@ -199,10 +204,7 @@ def test_lightning_ddp_under_torchrun_trains_like_gloo(tmp_path):
     script.write_text(LIGHTNING_SCRIPT)
     got = {}
     for backend in ("gloo", "ringreduce"):
-        proc = subprocess.run(
-            [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
-             "--master_addr", "127.0.0.1", "--master_port", str(_free_port()), str(script),
-             backend, str(tmp_path / backend)], capture_output=True, text=True, timeout=240)
+        proc = _torchrun(script, backend, tmp_path / backend, timeout=240)
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
         got[backend] = [torch.load(tmp_path / f"{backend}-{r}.pt") for r in range(2)]
     for r in range(2):

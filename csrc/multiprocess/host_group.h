@@ -198,6 +198,9 @@ class HostGroup {
   // The slot this rank's next small all-reduce writes: 0, 1, 0, ... (the count of small
   // all-reduces, which every rank runs in the same order, so all ranks agree on it).
   int next_small_slot() { return int(small_calls_++ & 1); }
+  // The half of the staging area the all-reduce ring's next round uses: they alternate, and
+  // every rank counts the same rounds (cpu_collectives.cpp, all_reduce).
+  int next_ring_half() { return int(ring_rounds_++ & 1); }
   // True when rank `peer`'s process has exited (checked through /proc, same pid namespace).
   bool peer_dead(int peer) const;
 
@@ -271,6 +274,7 @@ class HostGroup {
   uint64_t base_ = 0;
   uint64_t seq_ = 0;
   uint64_t small_calls_ = 0;
+  uint64_t ring_rounds_ = 0;
 };
 
 // Runs one collective's body; on any failure marks this rank aborted (so peers waiting on it

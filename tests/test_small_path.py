@@ -28,7 +28,7 @@ import torch.distributed as dist
 from reference import ALL_DTYPES, random_inputs, ring_model, valid_ops
 from test_distributed import init, run_ranks, values
 
-DEFAULT_SMALL_BYTES = 64 << 10  # host_group.cpp kDefaultSmallBytes
+DEFAULT_SMALL_BYTES = 32 << 10  # host_group.cpp kDefaultSmallBytes
 MARK = "small-message path"     # what a descriptor of the one-round path says
 TORCH_OPS = {"prod": "PRODUCT"}
 
@@ -309,5 +309,5 @@ def test_bad_or_differing_settings_refuse_the_group(tmp_path):
     # own segment: the other rank may then fail to open that one instead.
     msgs = values(run_ranks(_bad_setting, 2, tmp_path, ["0", None]))
     assert "no error" not in msgs, msgs
-    assert any("RINGREDUCE_SMALL_BYTES 65536 on rank 1 but 0 here" in m or
-               "RINGREDUCE_SMALL_BYTES 0 on rank 0 but 65536 here" in m for m in msgs), msgs
+    assert any(f"RINGREDUCE_SMALL_BYTES {DEFAULT_SMALL_BYTES} on rank 1 but 0 here" in m or
+               f"RINGREDUCE_SMALL_BYTES 0 on rank 0 but {DEFAULT_SMALL_BYTES} here" in m for m in msgs), msgs

@@ -37,11 +37,13 @@ constexpr size_t kHeaderBytes = (sizeof(Header) + 4095) / 4096 * 4096;
 constexpr size_t kP2PCounterBytes = (sizeof(P2PCounters) + 4095) / 4096 * 4096;
 
 // RINGREDUCE_SMALL_BYTES's default: all-reduces up to this size take the one-round path
-// (cpu_collectives.cpp). Measured with bench/shm_latency.py (float32 sum, 2 cores): with 4
-// ranks the one round wins up to 64 KiB (35 us vs 46-59 us) and loses from 256 KiB; with 2
-// ranks it wins at 8 B-1 KiB (0.6 vs 1.2 us) and 64 KiB (14 vs 17 us), loses ~1 us at
-// 16-32 KiB (every rank reduces the whole tensor, the ring only its chunk), ties above.
-constexpr int64_t kDefaultSmallBytes = 64 << 10;
+// (cpu_collectives.cpp). Measured with bench/shm_latency.py (float32 sum, 2 cores, loop period
+// per call), against the ring that stages only what the successor reads, in alternating halves:
+// with 2 ranks the one round wins at 8 B-8 KiB (0.8 vs 1.4 us at 8 B), ties at 16-32 KiB and
+// loses at 64 KiB (13.2 vs 10.8 us: every rank reduces the whole tensor, the ring only its
+// chunk); with 4 ranks on the 2 cores it wins up to 32 KiB (20.6 vs 24.9 us) and ties at
+// 64-128 KiB (33.0 vs 33.1, 52.9 vs 53.4).
+constexpr int64_t kDefaultSmallBytes = 32 << 10;
 // Its largest accepted value: every segment holds two slots of this size.
 constexpr int64_t kMaxSmallBytes = 16 << 20;
 // How long a wait spins before it sleeps on the futex, when every rank of the group can have

@@ -219,3 +219,51 @@ def test_transport_setting_is_validated(monkeypatch):
     monkeypatch.setenv("RINGREDUCE_TRANSPORT", "copy")  # CPU ignores the transport
     ringreduce.all_reduce(tensors)
     assert torch.equal(tensors[0], torch.full((4,), 2.0))
+
+
+# Float sums and averages take loops compiled for AVX-512, AVX2 and the baseline
+# (csrc/ring/cpu_executor.cpp); RINGREDUCE_CPU_SIMD caps the width, read once per process, so
+# each width runs in its own interpreter. Every width must give the ring model's bits.
+_SIMD_SCRIPT = """
+import sys, torch, ringreduce
+sys.path.insert(0, sys.argv[1])
+from reference import random_inputs, ring_model
+checked = 0
+for dtype in (torch.float32, torch.float64):
+    for op in ("sum", "avg"):
+        for nranks in (2, 3, 5):
+            for count in (1, 7, 15, 16, 17, 33, 63, 65, 257, 1023, 4099, 70001):
+                g = torch.Generator().manual_seed(checked)
+                inputs = random_inputs(nranks, count, dtype, op, generator=g)
+                tensors = [t.clone() for t in inputs]
+                ringreduce.all_reduce(tensors, op=op)
+                expected = ring_model(inputs, op)
+                for t in tensors:
+                    assert torch.equal(t.view(torch.uint8), expected.view(torch.uint8)), (
+                        dtype, op, nranks, count)
+                checked += 1
+print("checked", checked)
+"""
+
+
+def _run_simd_script(env_value):
+    import os
+    import subprocess
+    import sys
+    env = dict(os.environ, RINGREDUCE_CPU_SIMD=env_value)
+    return subprocess.run([sys.executable, "-c", _SIMD_SCRIPT, os.path.dirname(__file__)],
+                          capture_output=True, text=True, env=env, timeout=240)
+
+
+@pytest.mark.parametrize("width", ["avx512", "avx2", "baseline"])
+def test_every_simd_width_gives_the_ring_bits(width):
+    proc = _run_simd_script(width)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "checked 144" in proc.stdout, proc.stdout
+
+
+def test_bad_simd_setting_is_refused():
+    proc = _run_simd_script("sse9")
+    assert proc.returncode != 0
+    assert "RINGREDUCE_CPU_SIMD must be avx512, avx2 or baseline; got 'sse9'" in proc.stderr, (
+        proc.stderr)

@@ -1,6 +1,10 @@
 #include "cpu_executor.h"
 
+#include <algorithm>
+#include <cstdlib>
 #include <cstring>
+#include <stdexcept>
+#include <string>
 
 namespace rr {
 namespace cpu {
@@ -18,35 +22,67 @@ void combine_typed(T* dst, const T* own, const T* src, int64_t n, bool last, int
   }
 }
 
-// Float sums (and averages) are most of the traffic: these loops are compiled for AVX-512,
-// AVX2 and the baseline, and the loader picks the widest the CPU has (GCC's target_clones). One
-// IEEE add (then one division on an average's last hop) per element in any width, so every
-// clone gives the generic loop's bits.
-#define RR_SIMD_CLONES __attribute__((target_clones("avx512f", "avx2", "default")))
+// Float sums (and averages) are most of the traffic: these loops are compiled for AVX-512, AVX2
+// and the baseline, and the first call picks the widest the CPU has (__builtin_cpu_supports;
+// not GCC's target_clones, whose ifunc resolvers run before ThreadSanitizer is initialised and
+// crash tests/test_fused.py's TSan build). One IEEE add (then one division on an average's
+// last hop) per element in any width, so every width gives the generic loop's bits.
+#define RR_ADD_LOOPS(SUFFIX, ATTR)                                                          \
+  template <typename F>                                                                   \
+  ATTR void add_##SUFFIX(F* dst, const F* own, const F* src, int64_t n) {                  \
+    for (int64_t i = 0; i < n; ++i) dst[i] = own[i] + src[i];                              \
+  }                                                                                       \
+  template <typename F>                                                                   \
+  ATTR void add_div_##SUFFIX(F* dst, const F* own, const F* src, int64_t n, F d) {         \
+    for (int64_t i = 0; i < n; ++i) dst[i] = (own[i] + src[i]) / d;                        \
+  }
+RR_ADD_LOOPS(avx512, __attribute__((target("avx512f"))))
+RR_ADD_LOOPS(avx2, __attribute__((target("avx2"))))
+RR_ADD_LOOPS(base, )
+#undef RR_ADD_LOOPS
 
-RR_SIMD_CLONES void add_f32(float* dst, const float* own, const float* src, int64_t n) {
-  for (int64_t i = 0; i < n; ++i) dst[i] = own[i] + src[i];
-}
-RR_SIMD_CLONES void add_div_f32(float* dst, const float* own, const float* src, int64_t n,
-                                float d) {
-  for (int64_t i = 0; i < n; ++i) dst[i] = (own[i] + src[i]) / d;
-}
-RR_SIMD_CLONES void add_f64(double* dst, const double* own, const double* src, int64_t n) {
-  for (int64_t i = 0; i < n; ++i) dst[i] = own[i] + src[i];
-}
-RR_SIMD_CLONES void add_div_f64(double* dst, const double* own, const double* src, int64_t n,
-                                double d) {
-  for (int64_t i = 0; i < n; ++i) dst[i] = (own[i] + src[i]) / d;
+template <typename F>
+struct AddLoops {
+  void (*add)(F*, const F*, const F*, int64_t);
+  void (*add_div)(F*, const F*, const F*, int64_t, F);
+};
+
+// 2: AVX-512, 1: AVX2, 0: baseline. The widest the CPU has, or narrower where
+// RINGREDUCE_CPU_SIMD (avx512, avx2 or baseline; for tests and comparisons) asks for less.
+int simd_width() {
+  __builtin_cpu_init();
+  int width = __builtin_cpu_supports("avx512f") ? 2 : __builtin_cpu_supports("avx2") ? 1 : 0;
+  const char* want = std::getenv("RINGREDUCE_CPU_SIMD");
+  if (want != nullptr && *want != '\0') {
+    const std::string w(want);
+    if (w != "avx512" && w != "avx2" && w != "baseline")
+      throw std::invalid_argument("ringreduce: RINGREDUCE_CPU_SIMD must be avx512, avx2 or "
+                                  "baseline; got '" + w + "'");
+    width = std::min(width, w == "avx512" ? 2 : w == "avx2" ? 1 : 0);
+  }
+  return width;
 }
 
 template <typename F>
-void add_or_divide(void (*add)(F*, const F*, const F*, int64_t),
-                   void (*add_div)(F*, const F*, const F*, int64_t, F), bool divide, void* dst,
-                   const void* own, const void* src, int64_t n, int nranks) {
+const AddLoops<F>& add_loops() {
+  static const AddLoops<F> loops = [] {
+    switch (simd_width()) {
+      case 2: return AddLoops<F>{add_avx512<F>, add_div_avx512<F>};
+      case 1: return AddLoops<F>{add_avx2<F>, add_div_avx2<F>};
+      default: return AddLoops<F>{add_base<F>, add_div_base<F>};
+    }
+  }();
+  return loops;
+}
+
+template <typename F>
+void add_or_divide(bool divide, void* dst, const void* own, const void* src, int64_t n,
+                   int nranks) {
+  const AddLoops<F>& loops = add_loops<F>();
   auto* d = static_cast<F*>(dst);
   auto* a = static_cast<const F*>(own);
   auto* b = static_cast<const F*>(src);
-  if (divide) add_div(d, a, b, n, F(nranks)); else add(d, a, b, n);
+  if (divide) loops.add_div(d, a, b, n, F(nranks)); else loops.add(d, a, b, n);
 }
 
 // True when the SIMD loops above handled it.
@@ -55,11 +91,11 @@ bool simd_combine(DType dtype, Op op, void* dst, const void* own, const void* sr
   if (op != Op::Sum && op != Op::Avg) return false;
   const bool divide = op == Op::Avg && last;
   if (dtype == DType::F32) {
-    add_or_divide<float>(add_f32, add_div_f32, divide, dst, own, src, n, nranks);
+    add_or_divide<float>(divide, dst, own, src, n, nranks);
     return true;
   }
   if (dtype == DType::F64) {
-    add_or_divide<double>(add_f64, add_div_f64, divide, dst, own, src, n, nranks);
+    add_or_divide<double>(divide, dst, own, src, n, nranks);
     return true;
   }
   return false;

@@ -41,6 +41,15 @@ std::string step_text(const char* phase, int64_t step, int64_t nsteps, int64_t r
 // all-to-all): a multiple of 64, so pieces start on cache lines.
 int64_t slot_bytes(const HostGroup& g) { return g.capacity() / g.nranks() / 64 * 64; }
 
+// memcpy / memmove of n bytes that pass no pointer when n is 0: an empty tensor's data may be
+// null, and memcpy's pointers must not be null even for 0 bytes.
+void copy_bytes(void* dst, const void* src, int64_t n) {
+  if (n > 0) std::memcpy(dst, src, size_t(n));
+}
+void move_bytes(void* dst, const void* src, int64_t n) {
+  if (n > 0) std::memmove(dst, src, size_t(n));
+}
+
 // [*off, *off + returned length) is round i's piece of `total` bytes cut in `piece`-byte pieces.
 int64_t round_part(int64_t total, int64_t piece, int64_t i, int64_t* off) {
   *off = std::min(total, i * piece);
@@ -48,7 +57,7 @@ int64_t round_part(int64_t total, int64_t piece, int64_t i, int64_t* off) {
 }
 
 void copy_unless_same(void* dst, const void* src, int64_t len) {
-  if (dst != src) std::memmove(dst, src, size_t(len));
+  if (dst != src) move_bytes(dst, src, len);
 }
 
 // Blocks of the two-destination loops below: small enough that the second write reads the
@@ -64,20 +73,20 @@ void combine_out(DType dtype, Op op, char* dst, char* dst2, const char* own, con
     const int64_t len = std::min(block, count - i);
     ::rr::cpu::combine(dtype, op, dst + i * esize, own + i * esize, src + i * esize, len, last,
                        nranks);
-    std::memcpy(dst2 + i * esize, dst + i * esize, size_t(len * esize));
+    copy_bytes(dst2 + i * esize, dst + i * esize, len * esize);
   }
 }
 
 // dst = src, and dst2 = src when dst2 is not null, block by block.
 void copy_out(char* dst, char* dst2, const char* src, int64_t bytes) {
   if (dst2 == nullptr) {
-    std::memcpy(dst, src, size_t(bytes));
+    copy_bytes(dst, src, bytes);
     return;
   }
   for (int64_t i = 0; i < bytes; i += kBlockBytes) {
-    const size_t len = size_t(std::min(kBlockBytes, bytes - i));
-    std::memcpy(dst + i, src + i, len);
-    std::memcpy(dst2 + i, dst + i, len);
+    const int64_t len = std::min(kBlockBytes, bytes - i);
+    copy_bytes(dst + i, src + i, len);
+    copy_bytes(dst2 + i, dst + i, len);
   }
 }
 
@@ -120,7 +129,7 @@ void small_all_reduce(HostGroup& g, const Ctx& ctx, void* data, int64_t count, D
   const int s = g.next_small_slot();
   const uint64_t base = g.base();
   g.small_slot(rank, s)->desc = host_desc(ctx, int(dtype), int(op), -1, count, kSmallRound);
-  std::memcpy(g.small_data(rank, s), data, size_t(count * esize));
+  copy_bytes(g.small_data(rank, s), data, count * esize);
   g.publish(base + 1);
   const char* what = "in the one-round (small message) all_reduce";
   for (int j = 1; j < n; ++j) {
@@ -191,7 +200,7 @@ void all_reduce(HostGroup& g, void* data, int64_t count, DType dtype, Op op) {
       {
         int64_t begin;
         const int64_t len = part(rank, i, &begin);
-        std::memcpy(own + rank * piece * esize, data_bytes + begin * esize, size_t(len * esize));
+        copy_bytes(own + rank * piece * esize, data_bytes + begin * esize, len * esize);
       }
       g.publish(base + 1);
       const char* src_area = g.staging(pred) + half * n * piece * esize;
@@ -242,14 +251,14 @@ void broadcast(HostGroup& g, void* data, int64_t bytes, int root) {
       const int64_t len = std::min(bytes, off + cap) - off;
       g.wait_all(base, ctx, start_text(i));
       g.set_desc(host_desc(ctx, -1, -1, root, bytes, i));
-      if (rank == root) std::memcpy(g.staging(rank), bytes_ptr + off, size_t(len));
+      if (rank == root) copy_bytes(g.staging(rank), bytes_ptr + off, len);
       g.publish(base + 1);
       g.wait(pred, base + 1, ctx, start_text(i));
       g.check_desc(pred, ctx);
       if (rank != root) {
         g.wait(root, base + 1, ctx, step_text("copy", 0, 1, i) + " from the root");
         g.check_desc(root, ctx);
-        std::memcpy(bytes_ptr + off, g.staging(root), size_t(len));
+        copy_bytes(bytes_ptr + off, g.staging(root), len);
       }
       g.publish(base + 2);
       g.publish(base + 3);
@@ -273,17 +282,17 @@ void all_gather(HostGroup& g, const void* in, void* const* outs, int64_t bytes) 
       if (n > 1) {
         g.wait_all(base, ctx, start_text(i));
         g.set_desc(host_desc(ctx, -1, -1, -1, bytes, i));
-        std::memcpy(g.staging(rank), in_bytes + off, size_t(len));
+        copy_bytes(g.staging(rank), in_bytes + off, len);
         g.publish(base + 1);
       }
       // In place (the input is this rank's slot of the output) needs no copy.
       char* mine = static_cast<char*>(outs[rank]) + off;
-      if (mine != in_bytes + off) std::memmove(mine, in_bytes + off, size_t(len));
+      if (mine != in_bytes + off) move_bytes(mine, in_bytes + off, len);
       for (int j = 1; j < n; ++j) {
         const int p = (rank + j) % n;
         g.wait(p, base + 1, ctx, step_text("copy", j - 1, n - 1, i));
         g.check_desc(p, ctx);
-        std::memcpy(static_cast<char*>(outs[p]) + off, g.staging(p), size_t(len));
+        copy_bytes(static_cast<char*>(outs[p]) + off, g.staging(p), len);
       }
       if (n > 1) {
         g.publish(base + 2);
@@ -300,7 +309,7 @@ void reduce_scatter(HostGroup& g, const void* in, void* out, int64_t count, DTyp
   const int rank = g.rank();
   const int64_t esize = elem_size(dtype);
   if (n == 1) {
-    if (out != in) std::memmove(out, in, size_t(count * esize));
+    if (out != in) move_bytes(out, in, count * esize);
     return;
   }
   guarded(g, ctx, [&] {
@@ -316,8 +325,7 @@ void reduce_scatter(HostGroup& g, const void* in, void* out, int64_t count, DTyp
       g.set_desc(host_desc(ctx, int(dtype), int(op), -1, count, i));
       char* own = g.staging(rank);
       for (int seg = 0; seg < n; ++seg) {
-        std::memcpy(own + seg * piece * esize, in_bytes + (seg * count + lo) * esize,
-                    size_t(len * esize));
+        copy_bytes(own + seg * piece * esize, in_bytes + (seg * count + lo) * esize, len * esize);
       }
       g.publish(base + 1);
       // Fixed order 0, 1, ..., N-1, the same on every rank and every call.
@@ -329,7 +337,7 @@ void reduce_scatter(HostGroup& g, const void* in, void* out, int64_t count, DTyp
         }
         const char* src = g.staging(q) + rank * piece * esize;
         if (q == 0) {
-          std::memcpy(dst, src, size_t(len * esize));
+          copy_bytes(dst, src, len * esize);
         } else if (len > 0) {
           ::rr::cpu::combine(dtype, op, dst, src, len, q == n - 1, n);
         }
@@ -381,7 +389,7 @@ void gather(HostGroup& g, const void* in, void* const* outs, int64_t bytes, int 
       const int64_t len = round_part(bytes, cap, i, &off);
       g.wait_all(base, ctx, start_text(i));
       g.set_desc(host_desc(ctx, -1, -1, root, bytes, i));
-      if (rank != root) std::memcpy(g.staging(rank), in_bytes + off, size_t(len));
+      if (rank != root) copy_bytes(g.staging(rank), in_bytes + off, len);
       g.publish(base + 1);
       if (rank == root) {
         copy_unless_same(static_cast<char*>(outs[rank]) + off, in_bytes + off, len);
@@ -389,7 +397,7 @@ void gather(HostGroup& g, const void* in, void* const* outs, int64_t bytes, int 
           const int p = (rank + j) % n;
           g.wait(p, base + 1, ctx, step_text("copy", j - 1, n - 1, i));
           g.check_desc(p, ctx);
-          std::memcpy(static_cast<char*>(outs[p]) + off, g.staging(p), size_t(len));
+          copy_bytes(static_cast<char*>(outs[p]) + off, g.staging(p), len);
         }
       } else {
         g.wait(root, base + 1, ctx, start_text(i) + " (waiting for the root)");
@@ -423,8 +431,7 @@ void scatter(HostGroup& g, const void* const* ins, void* out, int64_t bytes, int
       if (rank == root) {
         for (int q = 0; q < n; ++q) {
           if (q == root) continue;
-          std::memcpy(g.staging(rank) + q * slot, static_cast<const char*>(ins[q]) + off,
-                      size_t(len));
+          copy_bytes(g.staging(rank) + q * slot, static_cast<const char*>(ins[q]) + off, len);
         }
       }
       g.publish(base + 1);
@@ -438,7 +445,7 @@ void scatter(HostGroup& g, const void* const* ins, void* out, int64_t bytes, int
       } else {
         g.wait(root, base + 1, ctx, step_text("copy", 0, 1, i) + " from the root");
         g.check_desc(root, ctx);
-        std::memcpy(out_bytes + off, g.staging(root) + rank * slot, size_t(len));
+        copy_bytes(out_bytes + off, g.staging(root) + rank * slot, len);
       }
       g.publish(base + 2);
       g.end_phase(2);
@@ -506,7 +513,7 @@ void all_to_all(HostGroup& g, const void* const* ins, const int64_t* in_bytes,
       for (int q = 0; q < n; ++q) {
         if (q == rank) continue;
         const int64_t len = round_part(in_bytes[q], slot, i, &off);
-        std::memcpy(own + q * slot, static_cast<const char*>(ins[q]) + off, size_t(len));
+        copy_bytes(own + q * slot, static_cast<const char*>(ins[q]) + off, len);
       }
       g.publish(base + 1);
       const int64_t self_len = round_part(in_bytes[rank], slot, i, &off);
@@ -517,7 +524,7 @@ void all_to_all(HostGroup& g, const void* const* ins, const int64_t* in_bytes,
         g.wait(p, base + 1, ctx, step_text("copy", j - 1, n - 1, i));
         g.check_desc(p, ctx);
         const int64_t len = round_part(out_bytes[p], slot, i, &off);
-        std::memcpy(static_cast<char*>(outs[p]) + off, g.staging(p) + rank * slot, size_t(len));
+        copy_bytes(static_cast<char*>(outs[p]) + off, g.staging(p) + rank * slot, len);
       }
       g.publish(base + 2);
       g.end_phase(2);

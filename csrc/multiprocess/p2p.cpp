@@ -23,14 +23,14 @@ constexpr std::chrono::milliseconds kLivenessPeriod(200);
 void ring_put(char* ring, int64_t size, uint64_t pos, const void* src, int64_t n) {
   const int64_t off = int64_t(pos % uint64_t(size));
   const int64_t first = std::min(n, size - off);
-  std::memcpy(ring + off, src, size_t(first));
+  if (first > 0) std::memcpy(ring + off, src, size_t(first));  // src is null for 0 bytes
   if (n > first) std::memcpy(ring, static_cast<const char*>(src) + first, size_t(n - first));
 }
 
 void ring_get(const char* ring, int64_t size, uint64_t pos, void* dst, int64_t n) {
   const int64_t off = int64_t(pos % uint64_t(size));
   const int64_t first = std::min(n, size - off);
-  std::memcpy(dst, ring + off, size_t(first));
+  if (first > 0) std::memcpy(dst, ring + off, size_t(first));  // dst is null for 0 bytes
   if (n > first) std::memcpy(static_cast<char*>(dst) + first, ring, size_t(n - first));
 }
 
@@ -311,7 +311,8 @@ void P2P::close_frame(Rx& rx, std::vector<P2PDone>& done) {
   }
   if (u->claimed == nullptr) return;
   r = u->claimed;
-  std::memcpy(r->op.data, u->data.get(), size_t(u->frame.bytes));
+  // An empty message's pointers may be null: no memcpy for 0 bytes.
+  if (u->frame.bytes > 0) std::memcpy(r->op.data, u->data.get(), size_t(u->frame.bytes));
   r->moved = u->frame.bytes;
   unexpected_.remove_if([u](const Unexpected& x) { return &x == u; });
   complete_recv(r, done);
@@ -337,7 +338,7 @@ void P2P::match_posted(Op* r, std::vector<P2PDone>& done) {
       u.claimed = r;  // still arriving: close_frame completes the receive
       return;
     }
-    std::memcpy(r->op.data, u.data.get(), size_t(u.frame.bytes));
+    if (u.frame.bytes > 0) std::memcpy(r->op.data, u.data.get(), size_t(u.frame.bytes));
     r->moved = u.frame.bytes;
     unexpected_.erase(it);
     complete_recv(r, done);

@@ -124,7 +124,7 @@ void run(const Plan& plan, DType dtype, Op op, int nranks) {
       if (step.reduce) {
         combine(dtype, op, m.dst, m.own, m.src, m.n, step.last, nranks);
       } else {
-        std::memcpy(m.dst, m.src, size_t(m.n * esize));
+        if (m.n > 0) std::memcpy(m.dst, m.src, size_t(m.n * esize));  // empty: may be null
       }
     }
   }

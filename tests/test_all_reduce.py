@@ -1,4 +1,8 @@
 """ringreduce.all_reduce on CPU ranks: every dtype x op x rank count x awkward size."""
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -247,9 +251,6 @@ print("checked", checked)
 
 
 def _run_simd_script(env_value):
-    import os
-    import subprocess
-    import sys
     env = dict(os.environ, RINGREDUCE_CPU_SIMD=env_value)
     return subprocess.run([sys.executable, "-c", _SIMD_SCRIPT, os.path.dirname(__file__)],
                           capture_output=True, text=True, env=env, timeout=240)

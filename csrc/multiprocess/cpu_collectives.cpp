@@ -195,15 +195,15 @@ void all_reduce(HostGroup& g, void* data, int64_t count, DType dtype, Op op) {
       // it is what the successor reads at its step 0. Every other piece is read straight from
       // the tensor as the `own` operand of its reduce-scatter hop, and results go straight to
       // the tensor; the staging area carries only what the successor reads next.
-      const int64_t half = g.next_ring_half();
-      char* own = g.staging(rank) + half * n * piece * esize;
+      const int64_t half_offset = g.next_ring_half() * n * piece * esize;
+      char* own = g.staging(rank) + half_offset;
       {
         int64_t begin;
         const int64_t len = part(rank, i, &begin);
         copy_bytes(own + rank * piece * esize, data_bytes + begin * esize, len * esize);
       }
       g.publish(base + 1);
-      const char* src_area = g.staging(pred) + half * n * piece * esize;
+      const char* src_area = g.staging(pred) + half_offset;
       for (int64_t k = 0; k < steps; ++k) {
         // Rank r's step k reads what its predecessor wrote at step k - 1 (k = 0: its input).
         g.wait(pred, base + 1 + uint64_t(k), ctx, step_text("ring", k, steps, i));

@@ -25,6 +25,15 @@
 //   directly, so the caller's grad or inference mode does not matter.
 // - shutdown() (destroy_process_group), abort() and interpreter exit (ringreduce registers an
 //   atexit hook) end every thread within bounded time.
+//
+// The parts, each in its own file (all in namespace rr::dist::detail, included by backend.cpp
+// alone, so the whole backend is still one translation unit):
+//   backend_common.h  error text, dtype names, a checked CUDA event, a scope guard
+//   transport.h       what moves a group's bytes: the native Comm or a Python object
+//   completer.h       completion threads: futures completed off the progress thread
+//   engine.h          Work, the group's shared state, the engine (issue order, watchdog)
+//   p2p_engine.h      point-to-point sends and receives on a thread of their own
+//   backend.cpp       the c10d::Backend: argument checks, one Job per collective, bindings
 #pragma once
 
 #include <torch/extension.h>

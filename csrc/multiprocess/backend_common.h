@@ -1,0 +1,124 @@
+// What the backend's parts share: error text, dtype names, a checked CUDA event, a scope
+// guard.
+// Part of the "ringreduce" backend (backend.h describes the whole); only backend.cpp includes it.
+#pragma once
+
+#include <torch/extension.h>
+
+#include <algorithm>
+#include <cctype>
+#include <chrono>
+#include <exception>
+#include <functional>
+#include <string>
+
+#ifdef RINGREDUCE_WITH_CUDA
+#include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#include <cuda_runtime.h>
+#endif
+
+namespace rr {
+namespace dist {
+// Hidden like the pybind11 types its classes hold (an anonymous namespace before the split).
+namespace detail __attribute__((visibility("hidden"))) {
+
+using Clock = std::chrono::steady_clock;
+using c10d::OpType;
+
+inline std::string error_text(const std::exception_ptr& e) {
+  try {
+    std::rethrow_exception(e);
+  } catch (const c10::Error& err) {
+    return err.what_without_backtrace();
+  } catch (const std::exception& err) {
+    return err.what();
+  } catch (...) {
+    return "unknown error";
+  }
+}
+
+// torch's Python name of a dtype ("float32" for Float), as the Python engine reported it.
+inline std::string torch_dtype_name(at::ScalarType t) {
+  switch (t) {
+    case at::kByte: return "uint8";
+    case at::kChar: return "int8";
+    case at::kShort: return "int16";
+    case at::kInt: return "int32";
+    case at::kLong: return "int64";
+    case at::kHalf: return "float16";
+    case at::kFloat: return "float32";
+    case at::kDouble: return "float64";
+    case at::kComplexHalf: return "complex32";
+    case at::kComplexFloat: return "complex64";
+    case at::kComplexDouble: return "complex128";
+    case at::kBool: return "bool";
+    case at::kBFloat16: return "bfloat16";
+    case at::kUInt16: return "uint16";
+    case at::kUInt32: return "uint32";
+    case at::kUInt64: return "uint64";
+    default: break;
+  }
+  std::string name = c10::toString(t);
+  std::transform(name.begin(), name.end(), name.begin(),
+                 [](unsigned char c) { return char(std::tolower(c)); });
+  return name;
+}
+
+#ifdef RINGREDUCE_WITH_CUDA
+// A CUDA event without timing (c10 only: ATen's CUDAEvent drags in the math libraries'
+// headers). Every call is checked.
+class Event {
+ public:
+  explicit Event(c10::DeviceIndex device) : device_(device) {
+    c10::cuda::CUDAGuard guard(device_);
+    C10_CUDA_CHECK(cudaEventCreateWithFlags(&e_, cudaEventDisableTiming));
+  }
+  ~Event() {
+    if (e_ != nullptr) cudaEventDestroy(e_);  // no error to report from a destructor
+  }
+  Event(const Event&) = delete;
+  Event& operator=(const Event&) = delete;
+
+  void record(const c10::cuda::CUDAStream& s) {
+    c10::cuda::CUDAGuard guard(device_);
+    C10_CUDA_CHECK(cudaEventRecord(e_, s.stream()));
+  }
+  // `s` waits (on the GPU) for the work recorded before this event.
+  void block(const c10::cuda::CUDAStream& s) const {
+    c10::cuda::CUDAGuard guard(s.device_index());
+    C10_CUDA_CHECK(cudaStreamWaitEvent(s.stream(), e_, 0));
+  }
+  // True when the recorded work is done; throws on a CUDA error.
+  bool query() const {
+    const cudaError_t err = cudaEventQuery(e_);
+    if (err == cudaErrorNotReady) {
+      cudaGetLastError();  // not an error: clear it
+      return false;
+    }
+    C10_CUDA_CHECK(err);
+    return true;
+  }
+
+ private:
+  c10::DeviceIndex device_;
+  cudaEvent_t e_ = nullptr;
+};
+#endif
+
+// Runs `fn` when the scope ends, however it ends.
+class Finally {
+ public:
+  explicit Finally(std::function<void()> fn) : fn_(std::move(fn)) {}
+  ~Finally() { fn_(); }
+  Finally(const Finally&) = delete;
+  Finally& operator=(const Finally&) = delete;
+
+ private:
+  std::function<void()> fn_;
+};
+
+}  // namespace detail
+}  // namespace dist
+}  // namespace rr

@@ -1,0 +1,511 @@
+// A group's shared state, its Work objects, and the engine that runs its collectives in
+// issue order.
+// Part of the "ringreduce" backend (backend.h describes the whole); only backend.cpp includes it.
+#pragma once
+
+#include <torch/csrc/distributed/c10d/Work.hpp>
+#include <torch/extension.h>
+
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
+#include <deque>
+#include <functional>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "backend_common.h"
+#include "completer.h"
+#include "transport.h"
+
+namespace rr {
+namespace dist {
+// Hidden like the pybind11 types its classes hold (an anonymous namespace before the split).
+namespace detail __attribute__((visibility("hidden"))) {
+
+class Engine;
+
+// What every thread of one group shares: the transport, the first failure, the timeout.
+struct Group {
+  std::shared_ptr<Transport> transport;
+  int rank = 0;
+  int size = 0;
+  std::atomic<double> timeout_s{1800.0};
+  std::mutex mu;
+  std::string failure;  // the first error; the group cannot be used after it
+  std::atomic<bool> failed{false};
+  Completer completer;
+
+  void fail(const std::string& msg) {
+    {
+      const std::lock_guard<std::mutex> held(mu);
+      if (failure.empty()) failure = msg;
+    }
+    failed.store(true, std::memory_order_release);
+    try {
+      transport->fail(msg);
+    } catch (const std::exception&) {
+      // The transport may already be closed; the failure is recorded above.
+    }
+  }
+  std::string failure_text() {
+    const std::lock_guard<std::mutex> held(mu);
+    return failure;
+  }
+};
+
+// ---- Work ----------------------------------------------------------------------------------
+
+class RRWork final : public c10d::Work {
+ public:
+  RRWork(std::shared_ptr<Group> group, std::string name, OpType type,
+         std::vector<at::Tensor> outputs, c10::optional<at::Device> device)
+      : c10d::Work(group->rank, type),
+        group_(std::move(group)),
+        name_(std::move(name)),
+        outputs_(std::move(outputs)),
+        device_(device),
+        level_(Completer::issue_level()) {}
+
+  const std::string& name() const { return name_; }
+
+  bool isCompleted() override { return state_.load(std::memory_order_acquire) != kPending; }
+  bool isSuccess() const override { return state_.load(std::memory_order_acquire) == kDone; }
+  std::exception_ptr exception() const override {
+    const std::lock_guard<std::mutex> held(mu_);
+    return error_;
+  }
+  int sourceRank() const override { return source_.load(); }
+  std::vector<at::Tensor> result() override {
+    wait();
+    return outputs_;
+  }
+  void synchronize() override { wait(); }
+  void abort() override {
+    group_->fail("ringreduce: " + name_ + " on rank " + std::to_string(group_->rank) +
+                 " was aborted (Work.abort)");
+  }
+
+  bool wait(std::chrono::milliseconds timeout = kNoTimeout) override;
+  c10::intrusive_ptr<c10::ivalue::Future> getFuture() override;
+
+  // Called once, when the collective is done (error == nullptr) or failed.
+  void finish(std::exception_ptr error);
+  void set_source(int r) { source_.store(r); }
+  void set_engine(std::weak_ptr<Engine> e, const void* job) {
+    engine_ = std::move(e);
+    job_ = job;
+  }
+#ifdef RINGREDUCE_WITH_CUDA
+  void set_cuda(std::shared_ptr<Event> end, c10::cuda::CUDAStream stream) {
+    end_ = std::move(end);
+    stream_ = stream;
+  }
+#endif
+
+ private:
+  enum : int { kPending = 0, kDone = 1, kFailed = 2 };
+  c10::intrusive_ptr<c10::ivalue::Future> make_future() const {
+    std::vector<c10::Device> devices;
+    if (device_) devices.push_back(*device_);
+    return c10::make_intrusive<c10::ivalue::Future>(
+        c10::ListType::create(c10::TensorType::get()), devices);
+  }
+  // Marks `fut` completed (or failed), with the internal stream current on CUDA so that the
+  // future's own events follow the collective's work.
+  void complete(const c10::intrusive_ptr<c10::ivalue::Future>& fut,
+                const std::exception_ptr& error) const {
+#ifdef RINGREDUCE_WITH_CUDA
+    c10::optional<c10::cuda::CUDAStreamGuard> guard;
+    if (stream_) guard.emplace(*stream_);
+#endif
+    if (error) {
+      fut->setError(error);
+    } else {
+      fut->markCompleted(c10::IValue(outputs_));
+    }
+  }
+
+  std::shared_ptr<Group> group_;
+  const std::string name_;
+  const std::vector<at::Tensor> outputs_;
+  const c10::optional<at::Device> device_;
+  const int level_;  // the completion level of its future (Completer)
+  std::atomic<int> state_{kPending};
+  std::atomic<int> source_{-1};
+  mutable std::mutex mu_;
+  std::condition_variable cv_;
+  std::exception_ptr error_;
+  c10::intrusive_ptr<c10::ivalue::Future> future_;
+  std::weak_ptr<Engine> engine_;  // while queued: wait() may run the job itself
+  const void* job_ = nullptr;
+#ifdef RINGREDUCE_WITH_CUDA
+  std::shared_ptr<Event> end_;
+  c10::optional<c10::cuda::CUDAStream> stream_;
+#endif
+};
+
+inline void RRWork::finish(std::exception_ptr error) {
+  c10::intrusive_ptr<c10::ivalue::Future> fut;
+  {
+    const std::lock_guard<std::mutex> held(mu_);
+    error_ = error;
+    state_.store(error ? kFailed : kDone, std::memory_order_release);
+    fut = future_;
+    engine_.reset();
+    job_ = nullptr;
+  }
+  cv_.notify_all();
+  if (fut) {
+    c10::intrusive_ptr<RRWork> self = c10::intrusive_ptr<RRWork>::reclaim_copy(this);
+    group_->completer.post(level_, [self, fut, error] { self->complete(fut, error); });
+  }
+}
+
+inline c10::intrusive_ptr<c10::ivalue::Future> RRWork::getFuture() {
+  c10::intrusive_ptr<c10::ivalue::Future> fut;
+  std::exception_ptr error;
+  {
+    const std::lock_guard<std::mutex> held(mu_);
+    if (future_) return future_;
+    future_ = make_future();
+    if (state_.load() == kPending) return future_;  // finish() completes it
+    fut = future_;
+    error = error_;
+  }
+  // Already done: completed here, in the caller's thread (no collective depends on it).
+  complete(fut, error);
+  return fut;
+}
+
+// ---- the engine ------------------------------------------------------------------------------
+
+struct Job {
+  c10::intrusive_ptr<RRWork> work;
+  std::function<void()> run;
+  bool cuda = false;
+  bool drain_gpu = false;  // barrier: wait for the GPU work of every collective before it
+#ifdef RINGREDUCE_WITH_CUDA
+  c10::optional<c10::cuda::CUDAStream> stream;
+  std::shared_ptr<Event> ready;
+#endif
+};
+
+class Engine : public std::enable_shared_from_this<Engine> {
+ public:
+  explicit Engine(std::shared_ptr<Group> g) : g_(std::move(g)) {}
+
+  void start() {
+    thread_ = std::thread([this] { loop(); });
+#ifdef RINGREDUCE_WITH_CUDA
+    watchdog_ = std::thread([this] { watch(); });
+#endif
+  }
+
+  void submit(std::shared_ptr<Job> job) {
+    job->work->set_engine(weak_from_this(), job.get());
+    {
+      const std::lock_guard<std::mutex> held(mu_);
+      if (!stopping_) {
+        pending_.push_back(std::move(job));
+        cv_.notify_all();
+        return;
+      }
+    }
+    job->work->finish(std::make_exception_ptr(std::runtime_error(
+        "ringreduce: " + job->work->name() + " on rank " + std::to_string(g_->rank) +
+        ": the process group was destroyed")));
+  }
+
+  // Runs `job` in the calling thread if nothing is queued or running; false otherwise.
+  bool run_now(const std::shared_ptr<Job>& job) {
+    {
+      const std::lock_guard<std::mutex> held(mu_);
+      if (busy_ || !pending_.empty() || stopping_) return false;
+      busy_ = true;
+    }
+    execute(*job);
+    release();
+    return true;
+  }
+
+  // Work.wait() on a queued CPU job: runs it in the waiting thread if it is next and nothing
+  // runs (it would only block anyway).
+  void help(const void* job) {
+    std::shared_ptr<Job> mine;
+    {
+      const std::lock_guard<std::mutex> held(mu_);
+      if (busy_ || pending_.empty() || pending_.front().get() != job || pending_.front()->cuda) {
+        return;
+      }
+      mine = std::move(pending_.front());
+      pending_.pop_front();
+      busy_ = true;
+    }
+    execute(*mine);
+    release();
+  }
+
+  // Lets queued collectives finish until `deadline`, then fails the group so that the rest
+  // fail at once; returns when the threads have ended (or, past deadline + 5 s, detaches them).
+  void stop(Clock::time_point deadline) {
+    {
+      std::unique_lock<std::mutex> lock(mu_);
+      stopping_ = true;
+      cv_.notify_all();
+      if (!done_cv_.wait_until(lock, deadline, [this] { return loop_done_; })) {
+        lock.unlock();
+        g_->fail("ringreduce: the process group was shut down with collectives still queued");
+        lock.lock();
+        done_cv_.wait_until(lock, Clock::now() + std::chrono::seconds(5),
+                            [this] { return loop_done_; });
+      }
+    }
+    join(thread_);
+#ifdef RINGREDUCE_WITH_CUDA
+    {
+      const std::lock_guard<std::mutex> held(inflight_mu_);
+      watch_stop_ = true;
+    }
+    watch_cv_.notify_all();
+    join(watchdog_);
+#endif
+  }
+
+  bool used_cuda() const { return used_cuda_.load(); }
+
+#ifdef RINGREDUCE_WITH_CUDA
+  // The group's own stream on `device` (not torch's pool: user code cannot be handed it).
+  c10::cuda::CUDAStream stream(c10::DeviceIndex device) {
+    const std::lock_guard<std::mutex> held(streams_mu_);
+    auto it = streams_.find(device);
+    if (it != streams_.end()) return it->second;
+    c10::cuda::CUDAGuard guard(device);
+    cudaStream_t s = nullptr;
+    C10_CUDA_CHECK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+    auto stream = c10::cuda::getStreamFromExternal(s, device);
+    // Never destroyed: a Work (its future, its end event) may refer to the stream after the
+    // group is gone, and a process makes one per group and device.
+    streams_.emplace(device, stream);
+    used_cuda_.store(true);
+    return stream;
+  }
+#endif
+
+ private:
+  static void join(std::thread& t) {
+    if (t.joinable()) t.join();
+  }
+
+  // Only the progress thread waits on cv_ for `busy_`, and only with work pending (or to stop):
+  // waking it otherwise would cost a context switch per synchronous call on a core the peers
+  // need.
+  void release() {
+    const std::lock_guard<std::mutex> held(mu_);
+    busy_ = false;
+    if (!pending_.empty() || stopping_) cv_.notify_all();
+  }
+
+  void loop() {
+    for (;;) {
+      std::shared_ptr<Job> job;
+      {
+        std::unique_lock<std::mutex> lock(mu_);
+        cv_.wait(lock, [this] { return (!busy_ && !pending_.empty()) || (stopping_ && !busy_); });
+        if (pending_.empty()) break;
+        job = std::move(pending_.front());
+        pending_.pop_front();
+        busy_ = true;
+      }
+      execute(*job);
+      release();
+    }
+    const std::lock_guard<std::mutex> held(mu_);
+    loop_done_ = true;
+    done_cv_.notify_all();
+  }
+
+  void execute(Job& job) {
+    RRWork& work = *job.work;
+    try {
+      if (g_->failed.load(std::memory_order_acquire)) {
+        throw std::runtime_error("ringreduce: " + work.name() + " on rank " +
+                                 std::to_string(g_->rank) + ": this process group failed "
+                                 "earlier and cannot be used any more: " + g_->failure_text());
+      }
+      // Worker threads do not inherit the caller's grad or inference mode; the collectives
+      // only write tensor memory, and this makes any helper op (a copy back) legal for
+      // inference tensors and tensors that require grad alike.
+      c10::InferenceMode no_autograd;
+      if (!job.cuda) {
+        job.run();
+        work.finish(nullptr);
+        return;
+      }
+#ifdef RINGREDUCE_WITH_CUDA
+      c10::cuda::CUDAStreamGuard on_internal(*job.stream);
+      job.ready->block(*job.stream);
+      if (job.drain_gpu) drain_gpu();
+      job.run();
+      auto end = std::make_shared<Event>(job.stream->device_index());
+      end->record(*job.stream);
+      work.set_cuda(end, *job.stream);
+      {
+        const std::lock_guard<std::mutex> held(inflight_mu_);
+        inflight_.push_back(Inflight{job.work, end, Clock::now() + timeout()});
+      }
+      watch_cv_.notify_all();
+      work.finish(nullptr);
+#endif
+    } catch (...) {
+      const std::exception_ptr error = std::current_exception();
+      g_->fail("ringreduce: " + work.name() + " on rank " + std::to_string(g_->rank) +
+               " failed: " + error_text(error));
+      work.finish(error);
+    }
+  }
+
+  Clock::duration timeout() const {
+    return std::chrono::duration_cast<Clock::duration>(
+        std::chrono::duration<double>(g_->timeout_s.load()));
+  }
+
+#ifdef RINGREDUCE_WITH_CUDA
+  struct Inflight {
+    c10::intrusive_ptr<RRWork> work;
+    std::shared_ptr<Event> end;
+    Clock::time_point deadline;
+  };
+
+  // Host-waits (bounded) until the GPU work of every collective queued so far has finished.
+  void drain_gpu() {
+    for (;;) {
+      Inflight first;
+      {
+        const std::lock_guard<std::mutex> held(inflight_mu_);
+        if (inflight_.empty()) return;
+        first = inflight_.front();
+      }
+      while (!first.end->query()) {
+        if (Clock::now() > first.deadline) {
+          gpu_timeout(first.work->name());
+          throw std::runtime_error(g_->failure_text());
+        }
+        std::this_thread::sleep_for(std::chrono::microseconds(200));
+      }
+      const std::lock_guard<std::mutex> held(inflight_mu_);
+      if (!inflight_.empty() && inflight_.front().end == first.end) inflight_.pop_front();
+    }
+  }
+
+  // The watchdog: fails the group when a collective's GPU work has not finished within the
+  // group's timeout (a peer's GPU work it waits for may never come), or its event reports an
+  // error. Never runs collectives, so a stuck collective cannot stop it.
+  void watch() {
+    std::unique_lock<std::mutex> lock(inflight_mu_);
+    while (!watch_stop_) {
+      if (inflight_.empty()) {
+        watch_cv_.wait(lock, [this] { return watch_stop_ || !inflight_.empty(); });
+        continue;
+      }
+      Inflight first = inflight_.front();
+      lock.unlock();
+      bool done = false;
+      std::string error;
+      try {
+        done = first.end->query();
+      } catch (const std::exception& e) {
+        error = e.what();
+      }
+      lock.lock();
+      if (!error.empty()) {
+        inflight_.clear();
+        lock.unlock();
+        g_->fail("ringreduce: the GPU work of " + first.work->name() + " on rank " +
+                 std::to_string(g_->rank) + " failed: " + error);
+        lock.lock();
+      } else if (done) {
+        if (!inflight_.empty() && inflight_.front().end == first.end) inflight_.pop_front();
+      } else if (Clock::now() > first.deadline) {
+        inflight_.clear();
+        lock.unlock();
+        gpu_timeout(first.work->name());
+        lock.lock();
+      } else {
+        watch_cv_.wait_for(lock, std::chrono::milliseconds(50));
+      }
+    }
+  }
+
+  void gpu_timeout(const std::string& name) {
+    g_->fail("ringreduce: the GPU work of " + name + " on rank " + std::to_string(g_->rank) +
+             " did not finish within the process group timeout (" +
+             std::to_string(g_->timeout_s.load()) + " s); a peer's GPU work it waits for may "
+             "never complete");
+  }
+
+  std::mutex inflight_mu_;
+  std::condition_variable watch_cv_;
+  std::deque<Inflight> inflight_;
+  bool watch_stop_ = false;
+  std::thread watchdog_;
+  std::mutex streams_mu_;
+  std::map<c10::DeviceIndex, c10::cuda::CUDAStream> streams_;
+#endif
+
+  std::shared_ptr<Group> g_;
+  std::mutex mu_;
+  std::condition_variable cv_, done_cv_;
+  std::deque<std::shared_ptr<Job>> pending_;
+  bool busy_ = false;
+  bool stopping_ = false;
+  bool loop_done_ = false;
+  std::atomic<bool> used_cuda_{false};
+  std::thread thread_;
+};
+
+inline bool RRWork::wait(std::chrono::milliseconds timeout) {
+  std::shared_ptr<Engine> engine;
+  const void* job = nullptr;
+  {
+    const std::lock_guard<std::mutex> held(mu_);
+    engine = engine_.lock();
+    job = job_;
+  }
+  if (engine && job && state_.load() == kPending) engine->help(job);
+  {
+    std::unique_lock<std::mutex> lock(mu_);
+    auto done = [this] { return state_.load() != kPending; };
+    if (timeout != kNoTimeout && timeout.count() > 0) {
+      if (!cv_.wait_for(lock, timeout, done)) {
+        TORCH_CHECK(false, "ringreduce: ", name_, " did not complete within the ",
+                    timeout.count() / 1000.0, " s given to Work.wait()");
+      }
+    } else {
+      // Bounded: every collective is bounded by the group's timeout, and a failed group
+      // fails the queued ones at once.
+      cv_.wait(lock, done);
+    }
+    if (error_) std::rethrow_exception(error_);
+  }
+#ifdef RINGREDUCE_WITH_CUDA
+  if (end_) {
+    if (group_->failed.load() && !end_->query()) {
+      // The group failed (the watchdog: a peer's GPU work never came) while this
+      // collective's GPU work is unfinished: the caller's stream must not wait on it for ever.
+      TORCH_CHECK(false, "ringreduce: ", name_, " did not finish on the GPU: ",
+                  group_->failure_text());
+    }
+    end_->block(c10::cuda::getCurrentCUDAStream(device_->index()));
+  }
+#endif
+  return true;
+}
+
+}  // namespace detail
+}  // namespace dist
+}  // namespace rr

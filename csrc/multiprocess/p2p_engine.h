@@ -1,0 +1,216 @@
+// The backend's point-to-point engine.
+// Part of the "ringreduce" backend (backend.h describes the whole); only backend.cpp includes it.
+#pragma once
+
+#include <torch/extension.h>
+
+#include <condition_variable>
+#include <deque>
+#include <memory>
+#include <mutex>
+#include <thread>
+#include <unordered_map>
+#include <vector>
+
+#include "backend_common.h"
+#include "comm.h"
+#include "engine.h"
+
+namespace rr {
+namespace dist {
+// Hidden like the pybind11 types its classes hold (an anonymous namespace before the split).
+namespace detail __attribute__((visibility("hidden"))) {
+
+// ---- point-to-point ----------------------------------------------------------------------
+// One thread per group posts sends and receives to the native channels (p2p.h) and completes
+// their Works in the order they finish. CUDA tensors go through pinned host memory on an
+// internal stream: a send copies its tensor out after the work queued before it on the
+// caller's stream; a receive copies the message in when it has arrived.
+
+struct P2PJob {
+  c10::intrusive_ptr<RRWork> work;
+  bool send = false;
+  at::Tensor tensor;
+  int peer = kAnySource;
+  int64_t tag = 0;
+  at::Tensor host;
+#ifdef RINGREDUCE_WITH_CUDA
+  std::shared_ptr<Event> ready;
+#endif
+};
+
+class P2PEngine {
+ public:
+  P2PEngine(std::shared_ptr<Group> g, Engine* engine) : g_(std::move(g)), engine_(engine) {
+    comm_ = g_->transport->native();
+    thread_ = std::thread([this] { loop(); });
+  }
+  ~P2PEngine() { stop(Clock::now()); }
+
+  void submit(std::shared_ptr<P2PJob> job) {
+    {
+      const std::lock_guard<std::mutex> held(mu_);
+      if (!stopping_) {
+        queue_.push_back(std::move(job));
+        comm_->p2p_interrupt();
+        return;
+      }
+    }
+    job->work->finish(std::make_exception_ptr(std::runtime_error(
+        "ringreduce " + job->work->name() + ": the process group was destroyed")));
+  }
+
+  void stop(Clock::time_point deadline) {
+    {
+      std::unique_lock<std::mutex> lock(mu_);
+      stopping_ = true;
+      comm_->p2p_interrupt();
+      if (!done_cv_.wait_until(lock, deadline, [this] { return done_; })) {
+        lock.unlock();
+        g_->fail("ringreduce: the process group was shut down with point-to-point operations "
+                 "still pending");
+        comm_->p2p_interrupt();
+        lock.lock();
+        done_cv_.wait_until(lock, Clock::now() + std::chrono::seconds(5), [this] { return done_; });
+      }
+    }
+    if (thread_.joinable()) thread_.join();
+  }
+
+ private:
+  void loop() {
+    c10::InferenceMode no_autograd;
+    bool stopping = false;
+    for (;;) {
+      std::deque<std::shared_ptr<P2PJob>> fresh;
+      {
+        const std::lock_guard<std::mutex> held(mu_);
+        fresh.swap(queue_);
+        stopping = stopping_;
+      }
+      for (auto& job : fresh) post(job);
+      if ((stopping && jobs_.empty()) || comm_->closed()) break;
+      std::vector<P2PDone> done;
+      try {
+        done = comm_->p2p_progress(1.0);
+      } catch (...) {
+        const std::exception_ptr error = std::current_exception();
+        for (auto& kv : jobs_) fail(*kv.second, error);
+        jobs_.clear();
+        continue;
+      }
+      for (const P2PDone& d : done) {
+        auto it = jobs_.find(d.id);
+        if (it == jobs_.end()) continue;
+        std::shared_ptr<P2PJob> job = std::move(it->second);
+        jobs_.erase(it);
+        complete(*job, d);
+      }
+    }
+    abandon();
+    const std::lock_guard<std::mutex> held(mu_);
+    done_ = true;
+    done_cv_.notify_all();
+  }
+
+  // On exit: fails what is still posted or queued (a submit racing with shutdown).
+  void abandon() {
+    std::vector<std::shared_ptr<P2PJob>> left;
+    for (auto& kv : jobs_) left.push_back(kv.second);
+    jobs_.clear();
+    {
+      const std::lock_guard<std::mutex> held(mu_);
+      for (auto& j : queue_) left.push_back(j);
+      queue_.clear();
+    }
+    for (auto& job : left) {
+      job->work->finish(std::make_exception_ptr(std::runtime_error(
+          "ringreduce: " + job->work->name() + " on rank " + std::to_string(g_->rank) +
+          ": the process group was destroyed before it completed")));
+    }
+  }
+
+  void post(const std::shared_ptr<P2PJob>& job) {
+    try {
+      const at::Tensor& t = job->tensor;
+      if (t.is_cuda()) {
+#ifdef RINGREDUCE_WITH_CUDA
+        const c10::cuda::CUDAStream s = engine_->stream(t.device().index());
+        c10::cuda::CUDAStreamGuard on_internal(s);
+        job->ready->block(s);
+        job->host = at::empty(t.sizes(), t.options().device(at::kCPU).pinned_memory(true));
+        if (job->send) {
+          job->host.copy_(t, /*non_blocking=*/true);
+          C10_CUDA_CHECK(cudaStreamSynchronize(s.stream()));
+        }
+#else
+        TORCH_CHECK(false, "ringreduce: CUDA tensor in a build without CUDA");
+#endif
+      } else if (t.is_contiguous()) {
+        job->host = t;
+      } else {
+        job->host = job->send ? t.contiguous() : at::empty(t.sizes(), t.options());
+      }
+      const uint64_t id = next_id_++;
+      // torch's name ("float32"), which messages about a mismatched receive show.
+      comm_->p2p_post(id, job->send, job->host, job->peer, job->tag,
+                      torch_dtype_name(t.scalar_type()));
+      jobs_.emplace(id, job);
+    } catch (...) {
+      fail(*job, std::current_exception());
+    }
+  }
+
+  void complete(P2PJob& job, const P2PDone& d) {
+    RRWork& work = *job.work;
+    if (!d.error.empty()) {
+      work.finish(std::make_exception_ptr(std::runtime_error(d.error)));
+      return;
+    }
+    if (!job.send) work.set_source(d.peer);
+    try {
+      if (job.send || job.host.is_same(job.tensor)) {
+        work.finish(nullptr);
+      } else if (job.tensor.is_cuda()) {
+#ifdef RINGREDUCE_WITH_CUDA
+        const c10::cuda::CUDAStream s = engine_->stream(job.tensor.device().index());
+        c10::cuda::CUDAStreamGuard on_internal(s);
+        job.tensor.copy_(job.host, /*non_blocking=*/true);
+        auto end = std::make_shared<Event>(s.device_index());
+        end->record(s);
+        // The pinned buffer is freed with the job: the copy must have read it by then.
+        C10_CUDA_CHECK(cudaStreamSynchronize(s.stream()));
+        work.set_cuda(end, s);
+        work.finish(nullptr);
+#endif
+      } else {
+        job.tensor.copy_(job.host);
+        work.finish(nullptr);
+      }
+    } catch (...) {
+      fail(job, std::current_exception());
+    }
+  }
+
+  void fail(P2PJob& job, const std::exception_ptr& error) {
+    g_->fail("ringreduce: " + job.work->name() + " on rank " + std::to_string(g_->rank) +
+             " failed: " + error_text(error));
+    job.work->finish(error);
+  }
+
+  std::shared_ptr<Group> g_;
+  Engine* engine_;
+  Comm* comm_;
+  std::mutex mu_;
+  std::condition_variable done_cv_;
+  std::deque<std::shared_ptr<P2PJob>> queue_;
+  std::unordered_map<uint64_t, std::shared_ptr<P2PJob>> jobs_;  // posted, not finished
+  uint64_t next_id_ = 1;
+  bool stopping_ = false;
+  bool done_ = false;
+  std::thread thread_;
+};
+
+}  // namespace detail
+}  // namespace dist
+}  // namespace rr

@@ -79,3 +79,18 @@ def test_every_per_step_wait_is_needed(driver):
     for layout, n, coll, steps, caught, barrier, barrier_caught in lines:
         assert int(steps) > 0 and caught == steps, (layout, n, coll, out)
         assert int(barrier_caught) > 0, (layout, n, coll, out)
+
+
+def test_distinct_devices_ring_p2p_and_staged(driver):
+    """A rank per fake device, its memory on that device, devices 1 and 2 refusing peer access,
+    peer access asked for and enabled as torch's get_p2p_access does, lanes on created streams
+    and on each device's default stream: every collective, p2p and copy, matches the CPU
+    executor; no kernel touches a peer's memory without access; exactly the hops between the
+    refused devices are staged. Two planted bugs must be seen: a yes from peer access without
+    access enabled, and lane streams of other devices (cudaErrorInvalidResourceHandle)."""
+    out = run(driver, "distinct_devices")
+    cases, wrong, staged, unenabled, wrong_device = map(int, re.search(
+        r"distinct_devices: (\d+) cases, (\d+) wrong, (\d+) staged refused hops; planted: (\d+) "
+        r"unenabled peer accesses, wrong device caught (\d)", out).groups())
+    assert cases > 1500 and wrong == 0 and staged > 0, out
+    assert unenabled > 0 and wrong_device == 1, out

@@ -6,7 +6,9 @@ random delays, events and "device" memory live in shared memory, kernels are the
 executor's combine) and driven by tests/fake_cuda/protocol_driver.cpp in forked processes. It
 checks the host handshakes, the rounds and slots, the stream and event ordering (a missing wait
 shows up as a mismatch under the random delays) and teardown, byte for byte against the CPU
-collectives. It cannot check anything about real GPUs: tests/test_distributed_cuda.py does.
+collectives. Its fake devices are distinct where a test says so ("distinct_devices": a device
+per rank, with its own streams, events, memory and peer access). It cannot check anything
+about real GPUs: tests/test_distributed_cuda.py does.
 """
 import os
 import re
@@ -33,10 +35,10 @@ def driver(tmp_path_factory):
         os.path.join(CSRC, "ring", "cpu_executor.cpp")])
 
 
-def run(driver, n, staging, mode="check", timeout=280):
+def run(driver, n, staging, mode="check", timeout=280, env=None):
     start = time.monotonic()
     proc = subprocess.run([driver, str(n), str(staging), mode], capture_output=True, text=True,
-                          timeout=timeout)
+                          timeout=timeout, env={**os.environ, **(env or {})})
     return proc, time.monotonic() - start
 
 
@@ -86,3 +88,55 @@ def test_teardown_waits_for_a_live_peer_to_release(driver):
     lines = rank_lines(proc.stdout)
     for rank in (1, 2):
         assert 0.8 < lines[rank][2] < 3.0, lines
+
+
+def test_distinct_devices_collectives_match_the_cpu_path(driver):
+    """Rank r on fake device r (its own streams, events and staging area; IPC handles opened on
+    another device), with another device current in the calling thread: the collectives select
+    their device for every call (a launch or an event record on another device's stream fails
+    in the fake, as on a GPU)."""
+    proc, _ = run(driver, 3, 4096, "distinct_devices")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    lines = rank_lines(proc.stdout)
+    assert sorted(lines) == [0, 1, 2], proc.stdout
+    for rank, (checked, failures, _) in lines.items():
+        assert checked > 900 and failures == 0, (rank, proc.stderr)
+
+
+@pytest.mark.parametrize("n", [2, 3, 4])
+def test_ddp_all_reduce_on_distinct_devices(driver, n):
+    """all_reduce as the backend's asynchronous CUDA path issues it for DDP (engine.h): buckets
+    written on the caller's stream (each device's legacy default stream), the collective on an
+    internal stream of a progress thread, Work.wait making the caller's stream wait for its end
+    event; the caller's stream then reads the result. Byte for byte against the CPU path."""
+    proc, _ = run(driver, n, 8192, "ddp_distinct_devices")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    lines = rank_lines(proc.stdout)
+    assert sorted(lines) == list(range(n)), proc.stdout
+    for rank, (checked, failures, _) in lines.items():
+        assert checked == 60 and failures == 0, (rank, proc.stderr)
+
+
+def test_ddp_distinct_devices_harness_sees_a_missing_wait_and_a_wrong_device(driver):
+    """The same run with a planted bug must fail: Work.wait without the stream wait gives wrong
+    bytes on the caller's stream; a progress thread that never selects its rank's device records
+    the end event (made on cuda:0) on a stream of another device, which the fake refuses."""
+    proc, _ = run(driver, 2, 8192, "ddp_nowait")
+    assert proc.returncode != 0 and "MISMATCH ddp" in proc.stderr, proc.stdout + proc.stderr
+    proc, _ = run(driver, 3, 8192, "ddp_nodevice")
+    assert proc.returncode != 0, proc.stdout + proc.stderr
+    assert "recording the end of the collective failed: error 400" in proc.stderr, proc.stderr
+
+
+def test_distinct_devices_without_peer_access_fail_setup_clearly(driver):
+    """Fake devices 1 and 2 refuse peer access: ranks 1 and 2 cannot open each other's staging
+    area, say so naming the devices, and every rank fails (none hangs)."""
+    proc, elapsed = run(driver, 3, 8192, "ddp_distinct_devices",
+                        env={"FAKE_CUDA_REFUSE_PEER": "1,2"}, timeout=120)
+    exits = dict(re.findall(r"rank (\d+) exit (\d+)", proc.stdout))
+    assert exits == {"0": "3", "1": "3", "2": "3"}, proc.stdout + proc.stderr
+    for rank, peer in ((1, 2), (2, 1)):
+        line = [x for x in proc.stderr.splitlines() if x.startswith(f"rank {rank}: error:")]
+        assert line and "cuda_setup" in line[0] and "cudaErrorPeerAccessUnsupported" in line[0] \
+            and f"while opening rank {peer}'s CUDA staging area" in line[0], proc.stderr
+    assert elapsed < 60.0, f"took {elapsed:.1f} s:\n{proc.stderr}"

@@ -3,6 +3,7 @@
 // Single-threaded: the executor queues, fake_drain() runs.
 #include "fake_lanes.h"
 
+#include <algorithm>
 #include <cstdio>
 #include <cstring>
 #include <deque>
@@ -56,9 +57,39 @@ struct State {
   std::map<uintptr_t, uintptr_t> staging;  // begin -> end
   long misaligned_staged = 0;
   std::string log;
+  std::map<int, FakeStream*> legacy;  // each device's legacy default stream
+  std::map<uintptr_t, std::pair<uintptr_t, int>> memory;  // begin -> (end, device)
+  std::set<std::pair<int, int>> refused, enabled;  // (device, peer)
+  long violations = 0;
+  std::string first_violation;
+  std::map<std::pair<int, int>, long> peer_copies;  // (dst device, src device) -> calls
 };
 
 State g;
+
+// Stream 0 is the current device's legacy default stream.
+FakeStream* resolve(cudaStream_t s);
+
+// The device of noted memory at `p`, -1 if not noted.
+int memory_device(const void* p) {
+  const uintptr_t a = reinterpret_cast<uintptr_t>(p);
+  auto it = g.memory.upper_bound(a);
+  if (it == g.memory.begin()) return -1;
+  --it;
+  return a < it->second.first ? it->second.second : -1;
+}
+
+void violation(const std::string& what) {
+  if (g.violations++ == 0) g.first_violation = what;
+}
+
+// Whether a kernel on `device` may touch `p`.
+void check_access(const void* p, int device, const char* what) {
+  const int d = memory_device(p);
+  if (d < 0 || d == device || g.enabled.count({device, d}) > 0) return;
+  violation(std::string("a kernel on cuda:") + std::to_string(device) + " " + what +
+            " memory of cuda:" + std::to_string(d) + " without peer access");
+}
 
 // Counts a call that can fail; true if this one must.
 bool inject_failure() {
@@ -67,8 +98,8 @@ bool inject_failure() {
   return g.fail_in-- == 0;
 }
 
-cudaError_t queue(cudaStream_t s, FakeOperation op, char letter) {
-  if (s == nullptr) return cudaErrorInvalidValue;
+cudaError_t queue(cudaStream_t stream, FakeOperation op, char letter) {
+  FakeStream* s = resolve(stream);
   op.id = g.next_id++;
   s->queue.push_back(std::move(op));
   g.log += letter;
@@ -94,6 +125,54 @@ cudaStream_t fake_stream(int device) {
   return s;
 }
 
+namespace {
+
+FakeStream* resolve(cudaStream_t s) {
+  if (s != nullptr) return s;
+  FakeStream*& l = g.legacy[g.current];
+  if (l == nullptr) l = fake_stream(g.current);
+  // Scheduled again after fake_release_streams().
+  if (std::find(g.streams.begin(), g.streams.end(), l) == g.streams.end()) g.streams.push_back(l);
+  return l;
+}
+
+}  // namespace
+
+void fake_note_memory(const void* p, size_t bytes, int device) {
+  const uintptr_t b = reinterpret_cast<uintptr_t>(p);
+  g.memory[b] = {b + bytes, device};
+}
+void fake_forget_memory() { g.memory.clear(); }
+void fake_refuse_peer(int a, int b) {
+  g.refused.insert({a, b});
+  g.refused.insert({b, a});
+}
+long fake_device_violations(std::string* first) {
+  if (first != nullptr) *first = g.first_violation;
+  return g.violations;
+}
+long fake_peer_copies(int dst_device, int src_device) {
+  auto it = g.peer_copies.find({dst_device, src_device});
+  return it == g.peer_copies.end() ? 0 : it->second;
+}
+
+cudaError_t cudaDeviceCanAccessPeer(int* can, int device, int peer) {
+  if (device < 0 || device >= g.ndevices || peer < 0 || peer >= g.ndevices) {
+    return cudaErrorInvalidDevice;
+  }
+  *can = device != peer && g.refused.count({device, peer}) == 0;
+  return cudaSuccess;
+}
+
+cudaError_t cudaDeviceEnablePeerAccess(int peer, unsigned) {
+  int can = 0;
+  const cudaError_t err = cudaDeviceCanAccessPeer(&can, g.current, peer);
+  if (err != cudaSuccess) return err;
+  if (!can) return cudaErrorPeerAccessUnsupported;
+  return g.enabled.insert({g.current, peer}).second ? cudaSuccess
+                                                     : cudaErrorPeerAccessAlreadyEnabled;
+}
+
 void fake_release_streams() {
   std::vector<FakeStream*> keep;
   for (FakeStream* s : g.streams) {
@@ -102,7 +181,8 @@ void fake_release_streams() {
   g.streams.swap(keep);
 }
 
-int fake_stream_index(cudaStream_t stream) { return stream->index; }
+int fake_stream_index(cudaStream_t stream) { return resolve(stream)->index; }
+cudaStream_t fake_resolve(cudaStream_t stream) { return resolve(stream); }
 
 void fake_set_policy(FakePolicy policy, cudaStream_t prefer, unsigned seed) {
   g.policy = policy;
@@ -218,9 +298,14 @@ long fake_failable_calls() { return g.failable; }
 
 cudaError_t cudaGetLastError() { return cudaSuccess; }
 const char* cudaGetErrorName(cudaError_t err) {
-  return err == cudaSuccess ? "cudaSuccess" : "cudaErrorFake";
+  switch (err) {
+    case cudaSuccess: return "cudaSuccess";
+    case cudaErrorInvalidValue: return "cudaErrorInvalidValue";
+    case cudaErrorInvalidResourceHandle: return "cudaErrorInvalidResourceHandle";
+    default: return "cudaErrorFake";
+  }
 }
-const char* cudaGetErrorString(cudaError_t) { return "an error injected by fake_lanes"; }
+const char* cudaGetErrorString(cudaError_t) { return "an error of the fake runtime fake_lanes"; }
 
 cudaError_t cudaGetDevice(int* device) {
   *device = g.current;
@@ -244,14 +329,14 @@ cudaError_t cudaEventCreateWithFlags(cudaEvent_t* event, unsigned) {
 cudaError_t cudaEventRecord(cudaEvent_t event, cudaStream_t stream) {
   if (inject_failure()) return cudaErrorUnknown;
   // As on a GPU, an event is recorded only on a stream of the device it was created on.
-  if (event == nullptr || stream == nullptr || event->device != stream->device) {
-    return cudaErrorInvalidValue;
-  }
+  if (event == nullptr) return cudaErrorInvalidValue;
+  FakeStream* s = resolve(stream);
+  if (event->device != s->device) return cudaErrorInvalidResourceHandle;
   FakeOperation op;
   op.is_record = true;
-  cudaError_t err = queue(stream, std::move(op), 'R');
-  event->latest = stream->queue.back().id;
-  g.recorded_on[event->latest] = stream;
+  cudaError_t err = queue(s, std::move(op), 'R');
+  event->latest = s->queue.back().id;
+  g.recorded_on[event->latest] = s;
   event->latest_mark = g.mark;
   return err;
 }
@@ -272,10 +357,16 @@ cudaError_t cudaStreamWaitEvent(cudaStream_t stream, cudaEvent_t event, unsigned
 cudaError_t cudaMemcpyPeerAsync(void* dst, int dst_device, const void* src, int src_device,
                                 size_t bytes, cudaStream_t stream) {
   if (inject_failure()) return cudaErrorUnknown;
-  if (stream == nullptr || stream->device != dst_device || src_device < 0 ||
-      src_device >= g.ndevices) {
+  if (resolve(stream)->device != dst_device || src_device < 0 || src_device >= g.ndevices) {
     return cudaErrorInvalidValue;
   }
+  const int dd = memory_device(dst), sd = memory_device(src);
+  if ((dd >= 0 && dd != dst_device) || (sd >= 0 && sd != src_device)) {
+    violation("cudaMemcpyPeerAsync names cuda:" + std::to_string(dst_device) + " <- cuda:" +
+              std::to_string(src_device) + " for memory of cuda:" + std::to_string(dd) +
+              " <- cuda:" + std::to_string(sd));
+  }
+  ++g.peer_copies[{dst_device, src_device}];
   FakeOperation op;
   op.fn = [=] { std::memcpy(dst, src, bytes); };
   return queue(stream, std::move(op), 'C');
@@ -283,8 +374,9 @@ cudaError_t cudaMemcpyPeerAsync(void* dst, int dst_device, const void* src, int 
 
 cudaError_t cudaStreamIsCapturing(cudaStream_t stream, cudaStreamCaptureStatus* status) {
   if (inject_failure()) return cudaErrorUnknown;
-  if (stream->capture_implicit) return cudaErrorStreamCaptureImplicit;
-  *status = stream->capturing ? cudaStreamCaptureStatusActive : cudaStreamCaptureStatusNone;
+  FakeStream* s = resolve(stream);
+  if (s->capture_implicit) return cudaErrorStreamCaptureImplicit;
+  *status = s->capturing ? cudaStreamCaptureStatusActive : cudaStreamCaptureStatusNone;
   return cudaSuccess;
 }
 
@@ -295,12 +387,18 @@ void launch_step(const Task* tasks, int ntasks, DType dtype, Op op, bool reduce,
                  int nranks, cudaStream_t stream) {
   if (inject_failure()) throw std::runtime_error("ringreduce: injected launch failure");
   // A kernel runs on the current device's streams only.
-  if (stream == nullptr || stream->device != g.current) {
-    throw std::runtime_error("fake_lanes: launch on a stream of another device");
+  FakeStream* s = resolve(stream);
+  if (s->device != g.current) {
+    throw std::runtime_error("fake_lanes: launch on a stream of cuda:" +
+                             std::to_string(s->device) + " while cuda:" +
+                             std::to_string(g.current) + " is current");
   }
   if (ntasks > kMaxRanks) throw std::runtime_error("fake_lanes: too many tasks in one launch");
   std::vector<Task> copy(tasks, tasks + ntasks);
   for (const Task& t : copy) {
+    check_access(t.dst, s->device, "writes");
+    check_access(t.src, s->device, "reads");
+    if (t.own != nullptr) check_access(t.own, s->device, "reads");
     if (in_staging(t.src) && reinterpret_cast<uintptr_t>(t.src) % 16 != 0) ++g.misaligned_staged;
   }
   FakeOperation o;
@@ -314,7 +412,7 @@ void launch_step(const Task* tasks, int ntasks, DType dtype, Op op, bool reduce,
       }
     }
   };
-  queue(stream, std::move(o), 'L');
+  queue(s, std::move(o), 'L');
 }
 
 }  // namespace cuda

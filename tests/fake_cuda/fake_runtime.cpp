@@ -16,6 +16,7 @@
 #include <map>
 #include <mutex>
 #include <random>
+#include <stdexcept>
 #include <string>
 #include <thread>
 #include <utility>
@@ -33,10 +34,62 @@ int jitter_us() {
   return us;
 }
 
+int env_int(const char* name, int fallback) {
+  const char* v = getenv(name);
+  return v != nullptr && *v != '\0' ? atoi(v) : fallback;
+}
+
+int device_count() {
+  static const int n = env_int("FAKE_CUDA_DEVICES", 8);
+  return n;
+}
+
+// FAKE_CUDA_REFUSE_PEER="a,b": devices a and b cannot access each other's memory.
+bool refused(int a, int b) {
+  static const std::pair<int, int> pair = [] {
+    const char* v = getenv("FAKE_CUDA_REFUSE_PEER");
+    int x = -1, y = -1;
+    if (v != nullptr && std::sscanf(v, "%d,%d", &x, &y) != 2) x = y = -1;
+    return std::make_pair(x, y);
+  }();
+  return (a == pair.first && b == pair.second) || (a == pair.second && b == pair.first);
+}
+
+// As in CUDA, the current device belongs to the host thread.
+thread_local int t_current = 0;
+
+struct Region {
+  size_t bytes;
+  int device;        // the device whose memory it is
+  std::string name;  // shared-memory name of a cudaMalloc, empty for an opened mapping
+};
+
 std::atomic<int> g_names{0};
 std::mutex g_mu;
-std::map<void*, std::pair<std::string, size_t>> g_allocated;  // cudaMalloc: name and size
-std::map<void*, size_t> g_opened;                              // cudaIpcOpenMemHandle: size
+std::map<void*, Region> g_allocated;  // cudaMalloc
+std::map<void*, Region> g_opened;     // cudaIpcOpenMemHandle
+std::map<std::pair<int, int>, bool> g_peer_enabled;  // (device, peer): kernels on device may
+                                                     // touch peer's memory
+
+// The device whose memory holds `p`, or -1 for memory the fake did not hand out (the drivers'
+// host vectors, which stand for memory of the stream's own device).
+int device_of(const void* p) {
+  std::lock_guard<std::mutex> lock(g_mu);
+  for (const auto* regions : {&g_allocated, &g_opened}) {
+    auto it = regions->upper_bound(const_cast<void*>(p));
+    if (it == regions->begin()) continue;
+    --it;
+    const char* b = static_cast<const char*>(it->first);
+    if (static_cast<const char*>(p) < b + it->second.bytes) return it->second.device;
+  }
+  return -1;
+}
+
+bool accessible(int device, int memory) {
+  if (memory < 0 || memory == device) return true;
+  std::lock_guard<std::mutex> lock(g_mu);
+  return g_peer_enabled.count({device, memory}) > 0;
+}
 
 std::string fresh_name(const char* kind) {
   return std::string("/fkcuda-") + std::to_string(getpid()) + "-" + kind + "-" +
@@ -58,6 +111,7 @@ void* map_shm(const std::string& name, size_t bytes, bool create) {
 }  // namespace
 
 struct FakeStream {
+  const int device = t_current;
   std::mutex mu;
   std::condition_variable cv;
   std::deque<std::function<void()>> queue;  // the front one is running
@@ -108,15 +162,22 @@ namespace {
 // is satisfied once that slot holds g or later.
 constexpr uint64_t kGenerations = 1024;
 struct EventState {
+  int device;  // the device it was created on (in shared memory: IPC events carry it)
   std::atomic<uint64_t> recorded;
   std::atomic<uint64_t> done[kGenerations];
   bool complete(uint64_t g) const { return g == 0 || done[g % kGenerations].load() >= g; }
 };
 constexpr size_t kEventBytes = (sizeof(EventState) + 4095) / 4096 * 4096;
 
+// Stream 0 is the legacy default stream of the current device: one per device.
 FakeStream* stream_of(cudaStream_t s) {
-  static FakeStream* legacy = new FakeStream();
-  return s != nullptr ? s : legacy;
+  if (s != nullptr) return s;
+  static std::mutex mu;
+  static std::map<int, FakeStream*> legacy;
+  std::lock_guard<std::mutex> lock(mu);
+  FakeStream*& l = legacy[t_current];
+  if (l == nullptr) l = new FakeStream();
+  return l;
 }
 
 }  // namespace
@@ -128,15 +189,49 @@ struct FakeEvent {
 };
 
 cudaError_t cudaGetLastError() { return cudaSuccess; }
-const char* cudaGetErrorName(cudaError_t) { return "cudaErrorFake"; }
+const char* cudaGetErrorName(cudaError_t err) {
+  switch (err) {
+    case cudaSuccess: return "cudaSuccess";
+    case cudaErrorInvalidValue: return "cudaErrorInvalidValue";
+    case cudaErrorInvalidDevice: return "cudaErrorInvalidDevice";
+    case cudaErrorPeerAccessUnsupported: return "cudaErrorPeerAccessUnsupported";
+    case cudaErrorInvalidResourceHandle: return "cudaErrorInvalidResourceHandle";
+    case cudaErrorNotReady: return "cudaErrorNotReady";
+    case cudaErrorPeerAccessAlreadyEnabled: return "cudaErrorPeerAccessAlreadyEnabled";
+    default: return "cudaErrorFake";
+  }
+}
 const char* cudaGetErrorString(cudaError_t) { return "an error of the fake CUDA runtime"; }
 cudaError_t cudaGetDevice(int* device) {
-  *device = 0;
+  *device = t_current;
   return cudaSuccess;
 }
-cudaError_t cudaSetDevice(int) { return cudaSuccess; }
-cudaError_t cudaGetDeviceProperties(cudaDeviceProp* prop, int) {
-  std::memset(prop, 0, sizeof(*prop));  // one UUID for every rank: a shared GPU
+cudaError_t cudaSetDevice(int device) {
+  if (device < 0 || device >= device_count()) return cudaErrorInvalidDevice;
+  t_current = device;
+  return cudaSuccess;
+}
+cudaError_t cudaGetDeviceProperties(cudaDeviceProp* prop, int device) {
+  if (device < 0 || device >= device_count()) return cudaErrorInvalidDevice;
+  std::memset(prop, 0, sizeof(*prop));
+  prop->uuid.bytes[0] = char(1 + device);  // a UUID per device: ranks on one device share a GPU
+  std::snprintf(prop->name, sizeof(prop->name), "fake device %d", device);
+  return cudaSuccess;
+}
+cudaError_t cudaDeviceCanAccessPeer(int* can, int device, int peer) {
+  if (device < 0 || device >= device_count() || peer < 0 || peer >= device_count())
+    return cudaErrorInvalidDevice;
+  *can = device != peer && !refused(device, peer);
+  return cudaSuccess;
+}
+cudaError_t cudaDeviceEnablePeerAccess(int peer, unsigned) {
+  int can = 0;
+  const cudaError_t err = cudaDeviceCanAccessPeer(&can, t_current, peer);
+  if (err != cudaSuccess) return err;
+  if (!can) return cudaErrorPeerAccessUnsupported;
+  std::lock_guard<std::mutex> lock(g_mu);
+  if (!g_peer_enabled.emplace(std::make_pair(t_current, peer), true).second)
+    return cudaErrorPeerAccessAlreadyEnabled;
   return cudaSuccess;
 }
 
@@ -145,15 +240,15 @@ cudaError_t cudaMalloc(void** ptr, size_t bytes) {
   *ptr = map_shm(name, bytes, true);
   if (*ptr == nullptr) return cudaErrorUnknown;
   std::lock_guard<std::mutex> lock(g_mu);
-  g_allocated[*ptr] = {name, bytes};
+  g_allocated[*ptr] = Region{bytes, t_current, name};
   return cudaSuccess;
 }
 cudaError_t cudaFree(void* ptr) {
   std::lock_guard<std::mutex> lock(g_mu);
   auto it = g_allocated.find(ptr);
   if (it == g_allocated.end()) return cudaErrorInvalidValue;
-  munmap(ptr, it->second.second);
-  shm_unlink(it->second.first.c_str());
+  munmap(ptr, it->second.bytes);
+  shm_unlink(it->second.name.c_str());
   g_allocated.erase(it);
   return cudaSuccess;
 }
@@ -162,25 +257,40 @@ cudaError_t cudaIpcGetMemHandle(cudaIpcMemHandle_t* handle, void* ptr) {
   auto it = g_allocated.find(ptr);
   if (it == g_allocated.end()) return cudaErrorInvalidValue;  // only whole allocations
   std::memset(handle, 0, sizeof(*handle));
-  const uint64_t bytes = it->second.second;
+  const uint64_t bytes = it->second.bytes;
+  const int32_t device = it->second.device;
   std::memcpy(handle->reserved, &bytes, sizeof(bytes));
-  std::snprintf(handle->reserved + 8, 56, "%s", it->second.first.c_str());
+  std::memcpy(handle->reserved + 8, &device, sizeof(device));
+  std::snprintf(handle->reserved + 12, 52, "%s", it->second.name.c_str());
   return cudaSuccess;
 }
-cudaError_t cudaIpcOpenMemHandle(void** ptr, cudaIpcMemHandle_t handle, unsigned) {
+// Opened on the current device. Memory of another device needs peer access to it, enabled here
+// (cudaIpcMemLazyEnablePeerAccess; without the flag the mapping is refused rather than left
+// unusable by kernels).
+cudaError_t cudaIpcOpenMemHandle(void** ptr, cudaIpcMemHandle_t handle, unsigned flags) {
   uint64_t bytes;
+  int32_t device;
   std::memcpy(&bytes, handle.reserved, sizeof(bytes));
-  *ptr = map_shm(handle.reserved + 8, bytes, false);
+  std::memcpy(&device, handle.reserved + 8, sizeof(device));
+  if (device != t_current) {
+    int can = 0;
+    const cudaError_t err = cudaDeviceCanAccessPeer(&can, t_current, device);
+    if (err != cudaSuccess) return err;
+    if (!can) return cudaErrorPeerAccessUnsupported;
+    if (!(flags & cudaIpcMemLazyEnablePeerAccess)) return cudaErrorInvalidValue;
+  }
+  *ptr = map_shm(handle.reserved + 12, bytes, false);
   if (*ptr == nullptr) return cudaErrorUnknown;
   std::lock_guard<std::mutex> lock(g_mu);
-  g_opened[*ptr] = bytes;
+  if (device != t_current) g_peer_enabled[{t_current, device}] = true;
+  g_opened[*ptr] = Region{bytes, device, ""};
   return cudaSuccess;
 }
 cudaError_t cudaIpcCloseMemHandle(void* ptr) {
   std::lock_guard<std::mutex> lock(g_mu);
   auto it = g_opened.find(ptr);
   if (it == g_opened.end()) return cudaErrorInvalidValue;
-  munmap(ptr, it->second);
+  munmap(ptr, it->second.bytes);
   g_opened.erase(it);
   return cudaSuccess;
 }
@@ -194,6 +304,7 @@ cudaError_t cudaEventCreateWithFlags(cudaEvent_t* event, unsigned flags) {
   } else {
     e->state = new EventState();
   }
+  e->state->device = t_current;
   e->state->recorded = 0;
   for (auto& d : e->state->done) d = 0;
   *event = e;
@@ -204,8 +315,10 @@ cudaError_t cudaEventDestroy(cudaEvent_t event) {
   if (!event->name.empty() && event->owner) shm_unlink(event->name.c_str());
   return cudaSuccess;
 }
+// As on a GPU, an event is recorded only on a stream of the device it was created on.
 cudaError_t cudaEventRecord(cudaEvent_t event, cudaStream_t stream) {
   EventState* st = event->state;
+  if (st->device != stream_of(stream)->device) return cudaErrorInvalidResourceHandle;
   const uint64_t g = ++st->recorded;
   stream_of(stream)->push([st, g] { st->done[g % kGenerations].store(g); });
   return cudaSuccess;
@@ -261,10 +374,30 @@ void fake_stream_sync(cudaStream_t stream) { stream_of(stream)->sync(); }
 namespace rr {
 namespace cuda {
 
+// A kernel runs on the current device's streams only, and touches memory of its own device or
+// of peers it has access to (a GPU would fault).
 void launch_step(const Task* tasks, int ntasks, DType dtype, Op op, bool reduce, bool last,
                  int nranks, cudaStream_t stream) {
+  FakeStream* s = stream_of(stream);
+  if (s->device != t_current) {
+    throw std::runtime_error("ringreduce: fake launch_step: a kernel launched on a stream of "
+                             "cuda:" + std::to_string(s->device) + " while cuda:" +
+                             std::to_string(t_current) + " is current "
+                             "(cudaErrorInvalidResourceHandle)");
+  }
+  for (int i = 0; i < ntasks; ++i) {
+    for (const void* p : {static_cast<const void*>(tasks[i].dst), tasks[i].src}) {
+      const int d = device_of(p);
+      if (!accessible(t_current, d)) {
+        throw std::runtime_error("ringreduce: fake launch_step: a kernel on cuda:" +
+                                 std::to_string(t_current) + " touches memory of cuda:" +
+                                 std::to_string(d) + " without peer access "
+                                 "(cudaErrorIllegalAddress)");
+      }
+    }
+  }
   const std::vector<Task> work(tasks, tasks + ntasks);
-  stream_of(stream)->push([=] {
+  s->push([=] {
     for (const Task& t : work) {
       if (reduce) {
         ::rr::cpu::combine(dtype, op, t.dst, t.src, t.n, last, nranks);

@@ -9,6 +9,15 @@
 //   lanes_driver capture    what is refused under stream capture, and that it queues nothing
 //   lanes_driver dropwait   each wait the executor queues dropped in turn: every per-step wait
 //                           is needed (some schedule then gives wrong bytes)
+//   lanes_driver distinct_devices
+//                           a rank per device, its memory on that device, devices 1 and 2
+//                           refusing peer access, peer access asked for as torch's
+//                           get_p2p_access does, lanes on created streams or on each device's
+//                           default stream: every collective, p2p and copy, against the CPU
+//                           executor, no kernel touching a peer's memory without access, and
+//                           only the refused pair staged; then two planted bugs that must be
+//                           caught (a peer-access answer that says yes without enabling access,
+//                           and a lane whose stream belongs to another device)
 // Prints one line per finding and a summary; exits 1 if anything is wrong.
 #include <cstdio>
 #include <cstring>
@@ -19,6 +28,7 @@
 
 #include "fake_lanes.h"
 #include "ring/cpu_executor.h"
+#include "ring/cuda_check.h"
 #include "ring/cuda_executor.h"
 #include "ring/plan.h"
 
@@ -131,7 +141,8 @@ rr::Plan make_plan(Coll c, std::vector<Rank>& ranks, int64_t count, int root, in
 // are 16-byte aligned, as the caching allocator's are, and noted with the fake, which counts
 // staged reads the kernels could not take as 16-byte packs.
 struct Stager {
-  std::map<cudaStream_t, Bytes*> current;
+  std::map<std::pair<int, cudaStream_t>, Bytes*> current;  // (device, stream): stream 0 is
+                                                           // each device's own
   std::vector<Bytes*> all;
   ~Stager() {
     fake_forget_staging();
@@ -142,13 +153,14 @@ struct Stager {
     return b->data() + (16 - p % 16) % 16;
   }
   rr::cuda::StageAlloc alloc() {
-    return [this](int, cudaStream_t s, size_t bytes) -> void* {
-      Bytes*& b = current[s];
+    return [this](int device, cudaStream_t s, size_t bytes) -> void* {
+      Bytes*& b = current[{device, s}];
       if (b == nullptr || b->size() < bytes + 16) {
         all.push_back(new Bytes(bytes + 16, 0xAB));
         b = all.back();
       }
       fake_note_staging(aligned(b), bytes);
+      fake_note_memory(aligned(b), bytes, device);
       return aligned(b);
     };
   }
@@ -175,6 +187,23 @@ rr::cuda::PeerAccess peer_access_of(const Layout& layout) {
   };
 }
 
+// Peer access as the bindings ask torch for it (at::cuda::get_p2p_access): yes when the pair
+// can, after enabling it on the reading device. `liar`: a planted bug, yes for every pair (as a
+// cached "allowed" whose enabling failed would say).
+rr::cuda::PeerAccess torch_peer_access(bool liar) {
+  return [liar](int device, int peer) {
+    ++g_peer_calls;
+    int can = 0;
+    if (cudaDeviceCanAccessPeer(&can, device, peer) != cudaSuccess) return false;
+    if (can) {
+      rr::cuda::DeviceGuard guard(device);
+      const cudaError_t err = cudaDeviceEnablePeerAccess(peer, 0);
+      if (err != cudaSuccess && err != cudaErrorPeerAccessAlreadyEnabled) return false;
+    }
+    return can != 0 || liar;
+  };
+}
+
 struct Scenario {
   Layout layout;
   int n = 2;
@@ -186,6 +215,12 @@ struct Scenario {
   int prefer_lane = -1;
   unsigned seed = 0;
   long drop_wait = -1;
+  // distinct_devices: each rank's memory noted as its device's; lanes on each device's default
+  // stream (`default_streams`); peer access from torch_peer_access.
+  bool device_memory = false;
+  bool default_streams = false;
+  bool liar = false;
+  bool wrong_device = false;  // a planted bug: each lane's stream made on the next device
 };
 
 std::string describe(const Scenario& s) {
@@ -257,12 +292,26 @@ Outcome run(const Scenario& s, long fail_call = -1, int fail_at = -1) {
     }
   }
   std::vector<rr::cuda::Lane> lanes;
-  for (int d : s.layout.lane_device) lanes.push_back(rr::cuda::Lane{d, fake_stream(d)});
-  fake_set_policy(s.policy, s.prefer_lane >= 0 ? lanes[size_t(s.prefer_lane)].stream : nullptr,
+  std::vector<cudaStream_t> lane_stream;  // what fake_enqueue and the policy take
+  for (int d : s.layout.lane_device) {
+    lanes.push_back(rr::cuda::Lane{
+        d, s.default_streams ? nullptr : fake_stream(s.wrong_device ? (d + 1) % kDevices : d)});
+    rr::cuda::DeviceGuard on(d);
+    lane_stream.push_back(fake_resolve(lanes.back().stream));
+  }
+  if (s.device_memory) {
+    for (int r = 0; r < s.n; ++r) {
+      const int d = s.layout.lane_device[size_t(s.layout.rank_lane[size_t(r)])];
+      for (Bytes* b : {&dev[size_t(r)].in, &dev[size_t(r)].out, &dev[size_t(r)].work}) {
+        fake_note_memory(b->data(), b->size(), d);
+      }
+    }
+  }
+  fake_set_policy(s.policy, s.prefer_lane >= 0 ? lane_stream[size_t(s.prefer_lane)] : nullptr,
                   s.seed);
   Stager stager;
   rr::cuda::RunOptions options;
-  options.peer_access = peer_access_of(s.layout);
+  options.peer_access = s.device_memory ? torch_peer_access(s.liar) : peer_access_of(s.layout);
   options.force_copy = s.copy;
   options.alloc = stager.alloc();
   for (int call = 0; call < s.calls; ++call) {
@@ -271,7 +320,7 @@ Outcome run(const Scenario& s, long fail_call = -1, int fail_at = -1) {
     const int root = call % s.n;
     for (int r = 0; r < s.n; ++r) {
       Rank* d = &dev[size_t(r)];
-      fake_enqueue(lanes[size_t(s.layout.rank_lane[size_t(r)])].stream,
+      fake_enqueue(lane_stream[size_t(s.layout.rank_lane[size_t(r)])],
                    [d, &s, call, r] { user_before(*d, s, call, r); });
       user_before(ref[size_t(r)], s, call, r);
     }
@@ -304,7 +353,7 @@ Outcome run(const Scenario& s, long fail_call = -1, int fail_at = -1) {
     if (!failing) rr::cpu::run(make_plan(s.coll, ref, count, root, esize), s.dtype, op, s.n);
     for (int r = 0; r < s.n; ++r) {
       Rank* d = &dev[size_t(r)];
-      fake_enqueue(lanes[size_t(s.layout.rank_lane[size_t(r)])].stream,
+      fake_enqueue(lane_stream[size_t(s.layout.rank_lane[size_t(r)])],
                    [d, &s, call, r] { user_after(*d, s, call, r); });
       user_after(ref[size_t(r)], s, call, r);
     }
@@ -312,7 +361,7 @@ Outcome run(const Scenario& s, long fail_call = -1, int fail_at = -1) {
       // The failed call left partial results: start again from fresh data everywhere.
       for (int r = 0; r < s.n; ++r) {
         Rank* d = &dev[size_t(r)];
-        fake_enqueue(lanes[size_t(s.layout.rank_lane[size_t(r)])].stream, [d, &s, r] {
+        fake_enqueue(lane_stream[size_t(s.layout.rank_lane[size_t(r)])], [d, &s, r] {
           fill(d->in, s.dtype, uint64_t(r) + 50);
           fill(d->out, s.dtype, uint64_t(r) + 60);
         });
@@ -326,6 +375,7 @@ Outcome run(const Scenario& s, long fail_call = -1, int fail_at = -1) {
     o.error = "the queued work deadlocks";
   }
   fake_release_streams();
+  fake_forget_memory();
   if (!o.ok) return o;
   for (int r = 0; r < s.n; ++r) {
     o.match = o.match && dev[size_t(r)].in == ref[size_t(r)].in &&
@@ -356,30 +406,39 @@ std::vector<Scenario> schedules(const Scenario& base) {
   return out;
 }
 
+// Five calls of every collective, transport and dtype (float16 where it reduces) on `layout`.
+std::vector<Scenario> collectives(const Layout& layout, int n) {
+  std::vector<Scenario> out;
+  for (Coll c : kColls) {
+    for (bool copy : {false, true}) {
+      for (DType dtype : {DType::I32, DType::F16}) {
+        if (dtype == DType::F16 && (c == Coll::Broadcast || c == Coll::AllGather)) continue;
+        Scenario base;
+        base.layout = layout;
+        base.n = n;
+        base.coll = c;
+        base.copy = copy;
+        base.dtype = dtype;
+        base.calls = 5;
+        out.push_back(base);
+      }
+    }
+  }
+  return out;
+}
+
 int matrix() {
   long cases = 0, bad = 0;
   for (int n : {2, 3, 4, 5}) {
     for (const Layout& layout : layouts(n)) {
-      for (Coll c : kColls) {
-        for (bool copy : {false, true}) {
-          for (DType dtype : {DType::I32, DType::F16}) {
-            if (dtype == DType::F16 && (c == Coll::Broadcast || c == Coll::AllGather)) continue;
-            Scenario base;
-            base.layout = layout;
-            base.n = n;
-            base.coll = c;
-            base.copy = copy;
-            base.dtype = dtype;
-            base.calls = 5;
-            for (const Scenario& s : schedules(base)) {
-              const Outcome o = run(s);
-              ++cases;
-              if (!o.ok || !o.match) {
-                ++bad;
-                std::printf("FAIL %s: %s\n", describe(s).c_str(),
-                            o.ok ? "bytes differ from the CPU executor" : o.error.c_str());
-              }
-            }
+      for (const Scenario& base : collectives(layout, n)) {
+        for (const Scenario& s : schedules(base)) {
+          const Outcome o = run(s);
+          ++cases;
+          if (!o.ok || !o.match) {
+            ++bad;
+            std::printf("FAIL %s: %s\n", describe(s).c_str(),
+                        o.ok ? "bytes differ from the CPU executor" : o.error.c_str());
           }
         }
       }
@@ -635,6 +694,89 @@ int dropwait() {
   return bad == 0 ? 0 : 1;
 }
 
+// Devices 1 and 2 refuse peer access (set up by main before this runs).
+constexpr int kRefusedA = 1, kRefusedB = 2;
+
+Layout distinct_layout(int n, bool reversed) {
+  Layout l{reversed ? "distinct_devices reversed" : "distinct_devices", {}, {}, {}};
+  for (int r = 0; r < n; ++r) {
+    l.lane_device.push_back(reversed ? n - 1 - r : r);
+    l.rank_lane.push_back(r);
+  }
+  return l;
+}
+
+bool refused_pair(int a, int b) {
+  return (a == kRefusedA && b == kRefusedB) || (a == kRefusedB && b == kRefusedA);
+}
+
+int distinct_devices() {
+  long cases = 0, bad = 0, staged_refused = 0;
+  for (int n : {2, 3, 4, 5}) {
+    for (bool reversed : {false, true}) {
+      const Layout layout = distinct_layout(n, reversed);
+      for (Scenario base : collectives(layout, n)) {
+        for (bool default_streams : {false, true}) {
+          if (default_streams && base.dtype == DType::F16) continue;
+          base.device_memory = true;
+          base.default_streams = default_streams;
+          for (const Scenario& sc : schedules(base)) {
+            std::map<std::pair<int, int>, long> before;
+            for (int a = 0; a < n; ++a)
+              for (int b = 0; b < n; ++b) before[{a, b}] = fake_peer_copies(a, b);
+            const long violations = fake_device_violations();
+            const Outcome o = run(sc);
+            ++cases;
+            std::string why;
+            if (!o.ok) why = o.error;
+            else if (!o.match) why = "bytes differ from the CPU executor";
+            std::string first;
+            if (fake_device_violations(&first) != violations) why = first;
+            // p2p: exactly the hops between the refused devices are staged.
+            for (int r = 0; r < n && why.empty() && !sc.copy; ++r) {
+              const int d = layout.lane_device[size_t(r)];
+              const int pd = layout.lane_device[size_t((r + n - 1) % n)];
+              const long copies = fake_peer_copies(d, pd) - before[{d, pd}];
+              if (refused_pair(d, pd) != (copies > 0)) {
+                why = "rank " + std::to_string(r) + " (cuda:" + std::to_string(d) + ") <- cuda:" +
+                      std::to_string(pd) + ": " + std::to_string(copies) + " staged copies";
+              }
+              staged_refused += refused_pair(d, pd) ? copies : 0;
+            }
+            if (!why.empty()) {
+              ++bad;
+              std::printf("FAIL %s%s: %s\n", describe(sc).c_str(),
+                          default_streams ? " default streams" : "", why.c_str());
+            }
+          }
+        }
+      }
+    }
+  }
+  // Planted bugs, which must be seen: a peer-access answer of yes without access enabled (the
+  // refused pair's reads are then counted), and lanes whose streams belong to other devices.
+  Scenario liar;
+  liar.layout = distinct_layout(3, false);
+  liar.n = 3;
+  liar.calls = 2;
+  liar.device_memory = true;
+  liar.liar = true;
+  const long violations = fake_device_violations();
+  run(liar);
+  const long liar_reads = fake_device_violations() - violations;
+  Scenario wrong = liar;
+  wrong.liar = false;
+  wrong.wrong_device = true;
+  const Outcome w = run(wrong);
+  const bool wrong_caught = !w.ok && w.error.find("cudaErrorInvalidResourceHandle") !=
+                                         std::string::npos;
+  std::printf("wrong device: %s\n", w.error.c_str());
+  std::printf("distinct_devices: %ld cases, %ld wrong, %ld staged refused hops; planted: %ld "
+              "unenabled peer accesses, wrong device caught %d\n", cases, bad, staged_refused,
+              liar_reads, int(wrong_caught));
+  return bad == 0 && cases > 0 && staged_refused > 0 && liar_reads > 0 && wrong_caught ? 0 : 1;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -644,6 +786,10 @@ int main(int argc, char** argv) {
   if (mode == "failures") return failures();
   if (mode == "capture") return capture();
   if (mode == "dropwait") return dropwait();
-  std::fprintf(stderr, "usage: lanes_driver matrix|failures|capture|dropwait\n");
+  if (mode == "distinct_devices") {
+    fake_refuse_peer(kRefusedA, kRefusedB);
+    return distinct_devices();
+  }
+  std::fprintf(stderr, "usage: lanes_driver matrix|failures|capture|dropwait|distinct_devices\n");
   return 2;
 }

@@ -10,6 +10,17 @@
 //     kill:  then the last rank exits without synchronising; the others must fail, naming it.
 //     abort: then rank 0 marks its group failed; the others fail; nobody's teardown waits.
 //     skew:  then rank 0 tears down a second after the others, who wait for its release.
+//     distinct_devices: as check, with rank r on device r (its streams and staging area made
+//         there) and another device current in the calling thread during the collectives.
+//     ddp_distinct_devices: rank r on device r, all_reduce as the backend's asynchronous CUDA
+//         path issues it for DDP (csrc/multiprocess/engine.h, backend.cpp): gradient buckets
+//         written on the caller's stream (device r's legacy default stream), an event recorded
+//         there, the collective run by a progress thread on an internal stream that waits for
+//         it, an end event recorded on the internal stream, and Work.wait making the caller's
+//         stream wait for that event; then the caller's stream reads the result and writes the
+//         next gradients. ddp_nowait and ddp_nodevice are the same with a planted bug (no
+//         stream wait in Work.wait; a progress thread that never selects the rank's device):
+//         they must fail.
 // Prints "rank R: checked C failures F teardown T s" per rank; exits non-zero on any failure.
 #include <cuda_runtime.h>
 #include <dirent.h>
@@ -19,6 +30,10 @@
 
 #include <atomic>
 #include <chrono>
+#include <condition_variable>
+#include <deque>
+#include <mutex>
+#include <thread>
 #include <cstdio>
 #include <cstring>
 #include <functional>
@@ -66,8 +81,11 @@ struct Check {
 
 class Rank {
  public:
-  Rank(int rank, int n, int64_t staging, const std::string& tag)
-      : rank_(rank), n_(n), g_(rank, n, 16384, 20.0, tag), ref_(rank, n, 8192, 20.0, tag + "c") {
+  // `device`: this rank's device; `calling_device`: the device current in the calling thread
+  // during the collectives (the collectives must select `device` themselves).
+  Rank(int rank, int n, int64_t staging, const std::string& tag, int device, int calling_device)
+      : rank_(rank), n_(n), device_(device), g_(rank, n, 16384, 20.0, tag),
+        ref_(rank, n, 8192, 20.0, tag + "c") {
     barrier(0, n);
     std::vector<std::string> names, ref_names;
     for (int r = 0; r < n; ++r) {
@@ -79,9 +97,144 @@ class Rank {
     barrier(1, n);
     g_.unlink();
     ref_.unlink();
-    peers_ = dist::cuda::make_peers(g_, 0, staging);
-    cudaStreamCreateWithFlags(&streams_[0], 0);
-    cudaStreamCreateWithFlags(&streams_[1], 0);
+    must(cudaSetDevice(device), "selecting this rank's device");
+    peers_ = dist::cuda::make_peers(g_, device, staging);
+    must(cudaStreamCreateWithFlags(&streams_[0], 0), "creating a stream");
+    must(cudaStreamCreateWithFlags(&streams_[1], 0), "creating a stream");
+    must(cudaSetDevice(calling_device), "selecting the calling thread's device");
+  }
+
+  static void must(cudaError_t err, const char* what) {
+    if (err != cudaSuccess)
+      throw std::runtime_error(std::string("driver: ") + what + " failed: error " +
+                               std::to_string(int(err)));
+  }
+
+  // The backend's asynchronous CUDA all_reduce (engine.h) under DDP, with `plant` ("" or a
+  // planted bug: "nowait", "nodevice").
+  void ddp(const std::string& plant) {
+    must(cudaSetDevice(device_), "selecting this rank's device");
+    cudaStream_t internal = nullptr;  // the group's own stream (Engine::stream)
+    must(cudaStreamCreateWithFlags(&internal, cudaStreamNonBlocking),
+         "creating the internal stream");
+    const int64_t counts[] = {20011, 4099, 1000, 33, 1};  // float32 buckets, last layer first
+    std::vector<void*> buckets;
+    for (int64_t c : counts) {
+      void* p = nullptr;
+      must(cudaMalloc(&p, size_t(c) * 4), "allocating a gradient bucket");
+      buckets.push_back(p);
+    }
+    // The progress thread: runs queued collectives in issue order on the internal stream.
+    struct Job {
+      std::function<void()> run;
+      bool done = false;
+      std::string error;
+      cudaEvent_t end = nullptr;
+    };
+    std::mutex mu;
+    std::condition_variable cv;
+    std::deque<std::shared_ptr<Job>> queue;
+    bool stop = false;
+    std::thread progress([&] {
+      // Engine::execute's CUDAStreamGuard on the internal stream selects its device.
+      if (plant != "nodevice") cudaSetDevice(device_);
+      for (;;) {
+        std::shared_ptr<Job> job;
+        {
+          std::unique_lock<std::mutex> lock(mu);
+          cv.wait(lock, [&] { return stop || !queue.empty(); });
+          if (queue.empty()) return;
+          job = queue.front();
+          queue.pop_front();
+        }
+        std::string error;
+        try {
+          job->run();
+        } catch (const std::exception& e) {
+          error = e.what();
+        }
+        std::lock_guard<std::mutex> lock(mu);
+        job->error = error;
+        job->done = true;
+        cv.notify_all();
+      }
+    });
+    std::string failure;
+    // The main thread may fail too (the CPU reference, once a peer has failed): the progress
+    // thread is stopped and joined either way.
+    try {
+      for (int iter = 0; iter < 12 && failure.empty(); ++iter) {
+        std::vector<std::shared_ptr<Job>> jobs;
+        std::vector<std::shared_ptr<Bytes>> grads, refs;
+        for (size_t b = 0; b < buckets.size(); ++b) {
+          const int64_t bytes = counts[b] * 4;
+          // Backward writes bucket b's gradient on the caller's stream, then DDP all-reduces it.
+          grads.push_back(random_bytes(uint64_t(iter) * 7919 + b * 31 + uint64_t(rank_), bytes));
+          must(cudaMemcpyAsync(buckets[b], grads.back()->data(), size_t(bytes), cudaMemcpyDefault,
+                               nullptr), "writing a gradient");
+          cudaEvent_t ready = nullptr;  // Job::ready, recorded on the caller's current stream
+          must(cudaEventCreateWithFlags(&ready, cudaEventDisableTiming), "creating an event");
+          must(cudaEventRecord(ready, nullptr), "recording the caller's stream");
+          auto job = std::make_shared<Job>();
+          void* data = buckets[b];
+          const int64_t count = counts[b];
+          Job* j = job.get();
+          job->run = [this, j, ready, internal, data, count] {
+            must(cudaStreamWaitEvent(internal, ready, 0), "ordering after the caller's stream");
+            dist::cuda::all_reduce(g_, *peers_, data, count, DType::F32, Op::Sum, internal);
+            must(cudaEventCreateWithFlags(&j->end, cudaEventDisableTiming),
+                 "creating the end event");
+            must(cudaEventRecord(j->end, internal), "recording the end of the collective");
+          };
+          {
+            std::lock_guard<std::mutex> lock(mu);
+            queue.push_back(job);
+          }
+          cv.notify_all();
+          jobs.push_back(job);
+          refs.push_back(std::make_shared<Bytes>(*grads.back()));
+          dist::cpu::all_reduce(ref_, refs.back()->data(), count, DType::F32, Op::Sum);
+        }
+        // The optimizer step: Work.wait() per bucket, then the caller's stream reads the result.
+        std::vector<std::shared_ptr<Bytes>> seen;
+        for (size_t b = 0; b < jobs.size(); ++b) {
+          {
+            std::unique_lock<std::mutex> lock(mu);
+            if (!cv.wait_for(lock, std::chrono::seconds(60), [&] { return jobs[b]->done; })) {
+              failure = "a collective did not complete within 60 s";
+              break;
+            }
+          }
+          if (!jobs[b]->error.empty()) {
+            failure = jobs[b]->error;
+            break;
+          }
+          if (plant != "nowait")
+            must(cudaStreamWaitEvent(nullptr, jobs[b]->end, 0),
+                 "Work.wait on the caller's stream");
+          seen.push_back(filled(counts[b] * 4, 0));
+          must(cudaMemcpyAsync(seen.back()->data(), buckets[b], size_t(counts[b] * 4),
+                               cudaMemcpyDefault, nullptr), "reading the result");
+        }
+        fake_stream_sync(nullptr);
+        for (size_t b = 0; b < seen.size(); ++b) {
+          ++checked_;
+          if (*seen[b] == *refs[b]) continue;
+          if (++failures_ <= 10)
+            std::fprintf(stderr, "rank %d: MISMATCH ddp iteration %d bucket %zu\n", rank_, iter,
+                         b);
+        }
+      }
+    } catch (const std::exception& e) {
+      failure = e.what();
+    }
+    {
+      std::lock_guard<std::mutex> lock(mu);
+      stop = true;
+    }
+    cv.notify_all();
+    progress.join();
+    if (!failure.empty()) throw std::runtime_error(failure);
   }
 
   // Every collective on the fake GPU, then the CPU reference (its own shared-memory group, so
@@ -238,6 +391,7 @@ class Rank {
 
   int rank_;
   int n_;
+  int device_;
   dist::HostGroup g_;
   dist::HostGroup ref_;
   dist::cuda::PeersPtr peers_;
@@ -264,7 +418,8 @@ void remove_leftovers(pid_t pid) {
 
 int main(int argc, char** argv) {
   if (argc < 3) {
-    std::fprintf(stderr, "usage: %s NRANKS STAGING_BYTES [check|kill|abort|skew]\n", argv[0]);
+    std::fprintf(stderr, "usage: %s NRANKS STAGING_BYTES [check|kill|abort|skew|"
+                 "distinct_devices|ddp_distinct_devices|ddp_nowait|ddp_nodevice]\n", argv[0]);
     return 2;
   }
   const int n = std::atoi(argv[1]);
@@ -281,8 +436,13 @@ int main(int argc, char** argv) {
       alarm(300);
       int rc = 1;
       try {
-        Rank rank(r, n, staging, tag);
-        rank.sweep(mode);
+        const bool distinct = mode == "distinct_devices" || mode.rfind("ddp", 0) == 0;
+        Rank rank(r, n, staging, tag, distinct ? r : 0, distinct ? (r + 1) % n : 0);
+        if (mode.rfind("ddp", 0) == 0) {
+          rank.ddp(mode == "ddp_distinct_devices" ? "" : mode.substr(4));
+        } else {
+          rank.sweep(mode);
+        }
         rank.finish(mode);
         rc = rank.failures() == 0 ? 0 : 1;
       } catch (const std::exception& e) {

@@ -7,8 +7,20 @@
 // thread that runs its queued operations in order after random delays, and an event is a set of
 // per-record completion counters in shared memory, with CUDA's semantics: a wait waits for the
 // event's most recent record at the time of the call, and an unrecorded event is complete.
-// Kernels (launch_step) run the CPU executor's combine. What it cannot check: anything about
-// real GPUs (IPC mappings, peer access, kernels, the driver's behaviour when a process dies).
+// Kernels (launch_step) run the CPU executor's combine.
+// Several devices (FAKE_CUDA_DEVICES, default 8), as the CUDA programming guide describes them
+// ("Stream and Event Behavior" on multi-device systems): the current device is per host thread
+// (cudaSetDevice); streams, events and cudaMalloc memory belong to the device current when they
+// are made; each device has its own legacy default stream (stream 0); a kernel launched on a
+// stream of another device than the current one, and an event recorded on a stream of another
+// device than its own, fail with cudaErrorInvalidResourceHandle; a kernel that touches device
+// memory of another device without peer access fails. Peer access is per pair of devices;
+// FAKE_CUDA_REFUSE_PEER="a,b" refuses the pair a, b (cudaDeviceCanAccessPeer says no, and an
+// IPC mapping of b's memory opened on a fails with cudaErrorPeerAccessUnsupported). IPC memory
+// handles carry their device; a mapping opened on another device enables peer access to it
+// (cudaIpcMemLazyEnablePeerAccess). Every device has its own UUID.
+// What it cannot check: anything about real GPUs (IPC mappings, kernels, the driver's behaviour
+// when a process dies).
 #pragma once
 
 #include <cstddef>
@@ -17,7 +29,11 @@
 enum cudaError_t {
   cudaSuccess = 0,
   cudaErrorInvalidValue = 1,
+  cudaErrorInvalidDevice = 101,
+  cudaErrorPeerAccessUnsupported = 217,
+  cudaErrorInvalidResourceHandle = 400,
   cudaErrorNotReady = 600,
+  cudaErrorPeerAccessAlreadyEnabled = 704,
   cudaErrorStreamCaptureImplicit = 906,
   cudaErrorUnknown = 999
 };
@@ -47,6 +63,8 @@ const char* cudaGetErrorString(cudaError_t err);
 cudaError_t cudaGetDevice(int* device);
 cudaError_t cudaSetDevice(int device);
 cudaError_t cudaGetDeviceProperties(cudaDeviceProp* prop, int device);
+cudaError_t cudaDeviceCanAccessPeer(int* can, int device, int peer);
+cudaError_t cudaDeviceEnablePeerAccess(int peer, unsigned flags);
 cudaError_t cudaMalloc(void** ptr, size_t bytes);
 cudaError_t cudaFree(void* ptr);
 cudaError_t cudaIpcGetMemHandle(cudaIpcMemHandle_t* handle, void* ptr);

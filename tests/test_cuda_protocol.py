@@ -108,7 +108,9 @@ def test_ddp_all_reduce_on_distinct_devices(driver, n):
     """all_reduce as the backend's asynchronous CUDA path issues it for DDP (engine.h): buckets
     written on the caller's stream (each device's legacy default stream), the collective on an
     internal stream of a progress thread, Work.wait making the caller's stream wait for its end
-    event; the caller's stream then reads the result. Byte for byte against the CPU path."""
+    event; the caller's stream then reads the result. Every third iteration runs inline
+    (RINGREDUCE_ASYNC=0) on stream 0 with another device current, which the collectives must
+    map to their own device's stream 0. Byte for byte against the CPU path."""
     proc, _ = run(driver, n, 8192, "ddp_distinct_devices")
     assert proc.returncode == 0, proc.stdout + proc.stderr
     lines = rank_lines(proc.stdout)

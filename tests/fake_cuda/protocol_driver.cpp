@@ -18,9 +18,10 @@
 //         there, the collective run by a progress thread on an internal stream that waits for
 //         it, an end event recorded on the internal stream, and Work.wait making the caller's
 //         stream wait for that event; then the caller's stream reads the result and writes the
-//         next gradients. ddp_nowait and ddp_nodevice are the same with a planted bug (no
-//         stream wait in Work.wait; a progress thread that never selects the rank's device):
-//         they must fail.
+//         next gradients. Every third iteration runs the collectives inline instead
+//         (RINGREDUCE_ASYNC=0) on stream 0 with another device current. ddp_nowait and
+//         ddp_nodevice are the same with a planted bug (no stream wait in Work.wait; a progress
+//         thread that never selects the rank's device): they must fail.
 // Prints "rank R: checked C failures F teardown T s" per rank; exits non-zero on any failure.
 #include <cuda_runtime.h>
 #include <dirent.h>
@@ -172,25 +173,34 @@ class Rank {
           grads.push_back(random_bytes(uint64_t(iter) * 7919 + b * 31 + uint64_t(rank_), bytes));
           must(cudaMemcpyAsync(buckets[b], grads.back()->data(), size_t(bytes), cudaMemcpyDefault,
                                nullptr), "writing a gradient");
-          cudaEvent_t ready = nullptr;  // Job::ready, recorded on the caller's current stream
-          must(cudaEventCreateWithFlags(&ready, cudaEventDisableTiming), "creating an event");
-          must(cudaEventRecord(ready, nullptr), "recording the caller's stream");
           auto job = std::make_shared<Job>();
           void* data = buckets[b];
           const int64_t count = counts[b];
-          Job* j = job.get();
-          job->run = [this, j, ready, internal, data, count] {
-            must(cudaStreamWaitEvent(internal, ready, 0), "ordering after the caller's stream");
-            dist::cuda::all_reduce(g_, *peers_, data, count, DType::F32, Op::Sum, internal);
-            must(cudaEventCreateWithFlags(&j->end, cudaEventDisableTiming),
-                 "creating the end event");
-            must(cudaEventRecord(j->end, internal), "recording the end of the collective");
-          };
-          {
-            std::lock_guard<std::mutex> lock(mu);
-            queue.push_back(job);
+          if (iter % 3 == 2) {
+            // RINGREDUCE_ASYNC=0: in the caller's thread on its stream (stream 0), here with
+            // another device current: the collective must take its own device's stream 0.
+            must(cudaSetDevice((device_ + 1) % n_), "selecting another device");
+            dist::cuda::all_reduce(g_, *peers_, data, count, DType::F32, Op::Sum, nullptr);
+            must(cudaSetDevice(device_), "selecting this rank's device");
+            job->done = true;
+          } else {
+            cudaEvent_t ready = nullptr;  // Job::ready, recorded on the caller's current stream
+            must(cudaEventCreateWithFlags(&ready, cudaEventDisableTiming), "creating an event");
+            must(cudaEventRecord(ready, nullptr), "recording the caller's stream");
+            Job* j = job.get();
+            job->run = [this, j, ready, internal, data, count] {
+              must(cudaStreamWaitEvent(internal, ready, 0), "ordering after the caller's stream");
+              dist::cuda::all_reduce(g_, *peers_, data, count, DType::F32, Op::Sum, internal);
+              must(cudaEventCreateWithFlags(&j->end, cudaEventDisableTiming),
+                   "creating the end event");
+              must(cudaEventRecord(j->end, internal), "recording the end of the collective");
+            };
+            {
+              std::lock_guard<std::mutex> lock(mu);
+              queue.push_back(job);
+            }
+            cv.notify_all();
           }
-          cv.notify_all();
           jobs.push_back(job);
           refs.push_back(std::make_shared<Bytes>(*grads.back()));
           dist::cpu::all_reduce(ref_, refs.back()->data(), count, DType::F32, Op::Sum);
@@ -209,7 +219,7 @@ class Rank {
             failure = jobs[b]->error;
             break;
           }
-          if (plant != "nowait")
+          if (plant != "nowait" && jobs[b]->end != nullptr)
             must(cudaStreamWaitEvent(nullptr, jobs[b]->end, 0),
                  "Work.wait on the caller's stream");
           seen.push_back(filled(counts[b] * 4, 0));

@@ -100,6 +100,11 @@ class Rank {
     ref_.unlink();
     must(cudaSetDevice(device), "selecting this rank's device");
     peers_ = dist::cuda::make_peers(g_, device, staging);
+    // Distinct devices have distinct UUIDs: the setup must tell them from a shared GPU (the
+    // distinct-device modes, and only they, call from another device than the rank's).
+    if (dist::cuda::distinct_gpus(*peers_) != (device != calling_device))
+      throw std::runtime_error("distinct_gpus() is " +
+                               std::to_string(dist::cuda::distinct_gpus(*peers_)));
     must(cudaStreamCreateWithFlags(&streams_[0], 0), "creating a stream");
     must(cudaStreamCreateWithFlags(&streams_[1], 0), "creating a stream");
     must(cudaSetDevice(calling_device), "selecting the calling thread's device");

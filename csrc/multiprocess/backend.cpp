@@ -766,13 +766,17 @@ class RingReduceBackend final : public c10d::Backend {
     if (device && device->is_cuda()) {
 #ifdef RINGREDUCE_WITH_CUDA
       const c10::cuda::CUDAStream current = c10::cuda::getCurrentCUDAStream(device->index());
-      cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
-      const cudaError_t err = cudaStreamIsCapturing(current.stream(), &capture);
-      if (err != cudaSuccess) cudaGetLastError();
-      if (err != cudaSuccess || capture != cudaStreamCaptureStatusNone) {
+      std::string refusal;
+      try {
+        refusal = capture_refusal(current);
+      } catch (...) {
+        refusal = "checking whether the caller's stream is capturing a CUDA graph failed: " +
+                  error_text(std::current_exception());
+      }
+      if (!refusal.empty()) {
+        // The peers are mid-call: they learn of it through the group's failure.
         const std::string msg = "ringreduce " + std::string(name) + " on rank " +
-                                std::to_string(rank_) + ": cannot be captured in a CUDA graph "
-                                "(multi-process collectives synchronise on the host)";
+                                std::to_string(rank_) + ": " + refusal;
         g_->fail(msg);
         TORCH_CHECK(false, msg);
       }
@@ -780,13 +784,8 @@ class RingReduceBackend final : public c10d::Backend {
       job->stream = engine_->stream(device->index());
       job->ready = std::make_shared<Event>(device->index());
       job->ready->record(current);
-      // The internal stream uses these blocks until the collective ends: the caching allocator
-      // must not hand them out before, even if the caller drops the tensors.
-      for (const at::Tensor& t : tensors) {
-        if (t.is_cuda()) {
-          c10::cuda::CUDACachingAllocator::recordStream(t.storage().data_ptr(), *job->stream);
-        }
-      }
+      // No recordStream here: the job's closure, and so every tensor the internal stream
+      // touches, lives until the collective's GPU work has finished (Job::run).
 #else
       TORCH_CHECK(false, "ringreduce ", name, ": the tensor is on CUDA but this ringreduce build "
                   "has no CUDA support");

@@ -283,20 +283,13 @@ class Engine : public std::enable_shared_from_this<Engine> {
   bool used_cuda() const { return used_cuda_.load(); }
 
 #ifdef RINGREDUCE_WITH_CUDA
-  // The group's own stream on `device` (not torch's pool: user code cannot be handed it).
-  c10::cuda::CUDAStream stream(c10::DeviceIndex device) {
-    const std::lock_guard<std::mutex> held(streams_mu_);
-    auto it = streams_.find(device);
-    if (it != streams_.end()) return it->second;
-    c10::cuda::CUDAGuard guard(device);
-    cudaStream_t s = nullptr;
-    C10_CUDA_CHECK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
-    auto stream = c10::cuda::getStreamFromExternal(s, device);
-    // Never destroyed: a Work (its future, its end event) may refer to the stream after the
-    // group is gone, and a process makes one per group and device.
-    streams_.emplace(device, stream);
-    used_cuda_.store(true);
-    return stream;
+  // The group's own stream on `device` for collectives (not torch's pool: user code cannot be
+  // handed it).
+  c10::cuda::CUDAStream stream(c10::DeviceIndex device) { return own_stream(streams_, device); }
+  // Point-to-point's own stream on `device`: a send or receive never waits on the GPU behind
+  // the collectives queued before it (a collective may itself wait for a peer's receive).
+  c10::cuda::CUDAStream p2p_stream(c10::DeviceIndex device) {
+    return own_stream(p2p_streams_, device);
   }
 #endif
 
@@ -304,6 +297,24 @@ class Engine : public std::enable_shared_from_this<Engine> {
   static void join(std::thread& t) {
     if (t.joinable()) t.join();
   }
+
+#ifdef RINGREDUCE_WITH_CUDA
+  c10::cuda::CUDAStream own_stream(std::map<c10::DeviceIndex, c10::cuda::CUDAStream>& streams,
+                                   c10::DeviceIndex device) {
+    const std::lock_guard<std::mutex> held(streams_mu_);
+    auto it = streams.find(device);
+    if (it != streams.end()) return it->second;
+    c10::cuda::CUDAGuard guard(device);
+    cudaStream_t s = nullptr;
+    C10_CUDA_CHECK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+    auto stream = c10::cuda::getStreamFromExternal(s, device);
+    // Never destroyed: a Work (its future, its end event) may refer to the stream after the
+    // group is gone, and a process makes two per group and device.
+    streams.emplace(device, stream);
+    used_cuda_.store(true);
+    return stream;
+  }
+#endif
 
   // Only the progress thread waits on cv_ for `busy_`, and only with work pending (or to stop):
   // waking it otherwise would cost a context switch per synchronous call on a core the peers
@@ -531,7 +542,7 @@ class Engine : public std::enable_shared_from_this<Engine> {
   bool watch_stop_ = false;
   std::thread watchdog_;
   std::mutex streams_mu_;
-  std::map<c10::DeviceIndex, c10::cuda::CUDAStream> streams_;
+  std::map<c10::DeviceIndex, c10::cuda::CUDAStream> streams_, p2p_streams_;
 #endif
 
   std::shared_ptr<Group> g_;

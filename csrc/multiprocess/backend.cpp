@@ -352,12 +352,34 @@ class RingReduceBackend final : public c10d::Backend {
     // After every collective queued before it; on CUDA it also waits for their GPU work.
     c10::optional<at::Device> device;
 #ifdef RINGREDUCE_WITH_CUDA
-    if (engine_->used_cuda()) device = at::Device(at::kCUDA, c10::cuda::current_device());
+    if (engine_->used_cuda()) device = barrier_device(opts);
 #endif
     auto tr = g_->transport;
     return submit("barrier", OpType::BARRIER, [tr] { tr->barrier(); }, {}, {}, opts.asyncOp,
                   device, /*drain_gpu=*/true);
   }
+
+#ifdef RINGREDUCE_WITH_CUDA
+  // The GPU a barrier orders against, as torch's barrier() chooses it: the device in the
+  // options (device_ids[0] when given), else the one bound to the group
+  // (init_process_group(device_id=...)), else the one GPU the group's collectives ran on, else
+  // the current device. A script that never called set_device would otherwise order on GPU 0
+  // (and create a context there).
+  at::Device barrier_device(const c10d::BarrierOptions& opts) const {
+    if (opts.device && opts.device->is_cuda() && opts.device->has_index()) return *opts.device;
+    if (!opts.device_ids.empty()) {
+      const int64_t id = opts.device_ids[0];
+      TORCH_CHECK_VALUE(id >= 0 && id < c10::cuda::device_count(), "ringreduce barrier: "
+                        "device_ids[0] must be a CUDA device index in [0, ",
+                        int(c10::cuda::device_count()), "); got ", id);
+      return at::Device(at::kCUDA, c10::DeviceIndex(id));
+    }
+    const c10::optional<at::Device> bound = getBoundDeviceId();
+    if (bound && bound->is_cuda() && bound->has_index()) return *bound;
+    if (const auto used = engine_->sole_device()) return at::Device(at::kCUDA, *used);
+    return at::Device(at::kCUDA, c10::cuda::current_device());
+  }
+#endif
 
   // gather, scatter and all-to-all move bytes: any dtype. CUDA tensors are staged through host
   // memory by the progress thread (on the internal stream), the simplest correct path.

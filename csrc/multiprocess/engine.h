@@ -291,6 +291,12 @@ class Engine : public std::enable_shared_from_this<Engine> {
   c10::cuda::CUDAStream p2p_stream(c10::DeviceIndex device) {
     return own_stream(p2p_streams_, device);
   }
+  // The one GPU this group's collectives have run on, if there is just one.
+  c10::optional<c10::DeviceIndex> sole_device() {
+    const std::lock_guard<std::mutex> held(streams_mu_);
+    if (streams_.size() != 1) return c10::nullopt;
+    return streams_.begin()->first;
+  }
 #endif
 
  private:

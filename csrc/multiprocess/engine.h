@@ -352,6 +352,7 @@ class Engine : public std::enable_shared_from_this<Engine> {
 
   void execute(Job& job) {
     RRWork& work = *job.work;
+    [[maybe_unused]] bool gpu_queued = false;  // CUDA: run() started, GPU work may be queued
     try {
       if (g_->failed.load(std::memory_order_acquire)) {
         throw std::runtime_error("ringreduce: " + work.name() + " on rank " +
@@ -371,6 +372,7 @@ class Engine : public std::enable_shared_from_this<Engine> {
       c10::cuda::CUDAStreamGuard on_internal(*job.stream);
       job.ready->block(*job.stream);
       if (job.drain_gpu) drain_gpu();
+      gpu_queued = true;
       job.run();
       auto end = std::make_shared<Event>(job.stream->device_index());
       end->record(*job.stream);
@@ -385,6 +387,14 @@ class Engine : public std::enable_shared_from_this<Engine> {
 #endif
     } catch (...) {
       const std::exception_ptr error = std::current_exception();
+#ifdef RINGREDUCE_WITH_CUDA
+      if (gpu_queued && job.run) {
+        // It may have queued GPU work before it threw: its captures are kept like those of a
+        // group that failed with GPU work in flight.
+        const std::lock_guard<std::mutex> held(inflight_mu_);
+        abandoned_.push_back(std::move(job.run));
+      }
+#endif
       g_->fail("ringreduce: " + work.name() + " on rank " + std::to_string(g_->rank) +
                " failed: " + error_text(error));
       work.finish(error);

@@ -30,7 +30,6 @@
 #include "transport.h"
 
 #ifdef RINGREDUCE_WITH_CUDA
-#include <c10/cuda/CUDACachingAllocator.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
@@ -353,12 +352,34 @@ class RingReduceBackend final : public c10d::Backend {
     // After every collective queued before it; on CUDA it also waits for their GPU work.
     c10::optional<at::Device> device;
 #ifdef RINGREDUCE_WITH_CUDA
-    if (engine_->used_cuda()) device = at::Device(at::kCUDA, c10::cuda::current_device());
+    if (engine_->used_cuda()) device = barrier_device(opts);
 #endif
     auto tr = g_->transport;
     return submit("barrier", OpType::BARRIER, [tr] { tr->barrier(); }, {}, {}, opts.asyncOp,
                   device, /*drain_gpu=*/true);
   }
+
+#ifdef RINGREDUCE_WITH_CUDA
+  // The GPU a barrier orders against, as torch's barrier() chooses it: the device in the
+  // options (device_ids[0] when given), else the one bound to the group
+  // (init_process_group(device_id=...)), else the one GPU the group's collectives ran on, else
+  // the current device. A script that never called set_device would otherwise order on GPU 0
+  // (and create a context there).
+  at::Device barrier_device(const c10d::BarrierOptions& opts) const {
+    if (opts.device && opts.device->is_cuda() && opts.device->has_index()) return *opts.device;
+    if (!opts.device_ids.empty()) {
+      const int64_t id = opts.device_ids[0];
+      TORCH_CHECK_VALUE(id >= 0 && id < c10::cuda::device_count(), "ringreduce barrier: "
+                        "device_ids[0] must be a CUDA device index in [0, ",
+                        int(c10::cuda::device_count()), "); got ", id);
+      return at::Device(at::kCUDA, c10::DeviceIndex(id));
+    }
+    const c10::optional<at::Device> bound = getBoundDeviceId();
+    if (bound && bound->is_cuda() && bound->has_index()) return *bound;
+    if (const auto used = engine_->sole_device()) return at::Device(at::kCUDA, *used);
+    return at::Device(at::kCUDA, c10::cuda::current_device());
+  }
+#endif
 
   // gather, scatter and all-to-all move bytes: any dtype. CUDA tensors are staged through host
   // memory by the progress thread (on the internal stream), the simplest correct path.
@@ -766,13 +787,17 @@ class RingReduceBackend final : public c10d::Backend {
     if (device && device->is_cuda()) {
 #ifdef RINGREDUCE_WITH_CUDA
       const c10::cuda::CUDAStream current = c10::cuda::getCurrentCUDAStream(device->index());
-      cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
-      const cudaError_t err = cudaStreamIsCapturing(current.stream(), &capture);
-      if (err != cudaSuccess) cudaGetLastError();
-      if (err != cudaSuccess || capture != cudaStreamCaptureStatusNone) {
+      std::string refusal;
+      try {
+        refusal = capture_refusal(current);
+      } catch (...) {
+        refusal = "checking whether the caller's stream is capturing a CUDA graph failed: " +
+                  error_text(std::current_exception());
+      }
+      if (!refusal.empty()) {
+        // The peers are mid-call: they learn of it through the group's failure.
         const std::string msg = "ringreduce " + std::string(name) + " on rank " +
-                                std::to_string(rank_) + ": cannot be captured in a CUDA graph "
-                                "(multi-process collectives synchronise on the host)";
+                                std::to_string(rank_) + ": " + refusal;
         g_->fail(msg);
         TORCH_CHECK(false, msg);
       }
@@ -780,13 +805,8 @@ class RingReduceBackend final : public c10d::Backend {
       job->stream = engine_->stream(device->index());
       job->ready = std::make_shared<Event>(device->index());
       job->ready->record(current);
-      // The internal stream uses these blocks until the collective ends: the caching allocator
-      // must not hand them out before, even if the caller drops the tensors.
-      for (const at::Tensor& t : tensors) {
-        if (t.is_cuda()) {
-          c10::cuda::CUDACachingAllocator::recordStream(t.storage().data_ptr(), *job->stream);
-        }
-      }
+      // No recordStream here: the job's closure, and so every tensor the internal stream
+      // touches, lives until the collective's GPU work has finished (Job::run).
 #else
       TORCH_CHECK(false, "ringreduce ", name, ": the tensor is on CUDA but this ringreduce build "
                   "has no CUDA support");
@@ -824,17 +844,7 @@ class RingReduceBackend final : public c10d::Backend {
     job->tag = tag;
     if (t.is_cuda()) {
 #ifdef RINGREDUCE_WITH_CUDA
-      const c10::cuda::CUDAStream current = c10::cuda::getCurrentCUDAStream(t.device().index());
-      cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
-      const cudaError_t err = cudaStreamIsCapturing(current.stream(), &capture);
-      if (err != cudaSuccess) cudaGetLastError();
-      TORCH_CHECK(err == cudaSuccess && capture == cudaStreamCaptureStatusNone, "ringreduce ",
-                  name, " on rank ", rank_, ": cannot be captured in a CUDA graph (it "
-                  "synchronises on the host)");
-      job->ready = std::make_shared<Event>(t.device().index());
-      job->ready->record(current);
-      c10::cuda::CUDACachingAllocator::recordStream(t.storage().data_ptr(),
-                                                    engine_->stream(t.device().index()));
+      job->staging = stage_issue(t, engine_->p2p_stream(t.device().index()), name, rank_);
 #else
       TORCH_CHECK(false, "ringreduce ", name, ": the tensor is on CUDA but this ringreduce build "
                   "has no CUDA support");
@@ -842,7 +852,7 @@ class RingReduceBackend final : public c10d::Backend {
     }
     {
       const std::lock_guard<std::mutex> held(p2p_mu_);
-      if (!p2p_) p2p_ = std::make_unique<P2PEngine>(g_, engine_.get());
+      if (!p2p_) p2p_ = std::make_unique<P2PEngine>(g_);
     }
     p2p_->submit(std::move(job));
     return work;
@@ -852,23 +862,36 @@ class RingReduceBackend final : public c10d::Backend {
   // HierarchicalComm.p2p_start; a thread per operation waits for it (gloo bounds the wait by
   // the group's timeout). A send works on a copy of the tensor and its Work completes at once,
   // as on one host (gloo's send would wait for the matching receive); a send that then fails
-  // fails the group. A receive's Work completes when its message is in the tensor.
+  // fails the group. A receive's Work completes when its message is in the tensor. CUDA
+  // tensors are staged through pinned host memory as on one host (stage_issue, stage_out,
+  // stage_in): a send's copy is made here, so the caller's thread waits for the work queued
+  // before it on its stream; a receive copies in on point-to-point's internal stream, which
+  // Work.wait() puts the caller's stream behind.
   c10::intrusive_ptr<c10d::Work> xhost_p2p(const char* name, bool is_send, const at::Tensor& t,
                                            int peer, int tag) {
     TORCH_CHECK_VALUE(tag >= 0, "ringreduce ", name, ": a group that spans several hosts needs "
                       "tags >= 0 (gloo's); got ", tag);
     TORCH_CHECK_VALUE(peer != rank_, "ringreduce ", name, ": rank ", rank_, " cannot ",
                       is_send ? "send to" : "receive from", " itself");
-    TORCH_CHECK(!t.is_cuda(), "ringreduce ", name, ": CUDA tensors between hosts are not "
-                "supported by this build's point-to-point");
     at::Tensor host;
-    if (is_send) {
+    c10::optional<CudaStaging> staging;
+    c10::optional<at::Device> device;
+    if (t.is_cuda()) {
+#ifdef RINGREDUCE_WITH_CUDA
+      staging = stage_issue(t, engine_->p2p_stream(t.device().index()), name, rank_);
+      host = stage_out(t, *staging, is_send);
+      device = t.device();
+#else
+      TORCH_CHECK(false, "ringreduce ", name, ": the tensor is on CUDA but this ringreduce build "
+                  "has no CUDA support");
+#endif
+    } else if (is_send) {
       host = t.clone(at::MemoryFormat::Contiguous);
     } else {
       host = t.is_contiguous() ? t : at::empty(t.sizes(), t.options());
     }
     auto work = c10::make_intrusive<RRWork>(g_, name, is_send ? OpType::SEND : OpType::RECV,
-                                            std::vector<at::Tensor>{t}, c10::nullopt);
+                                            std::vector<at::Tensor>{t}, device);
     // Python objects shared with the waiter thread: created and released under the GIL.
     auto py_deleter = [](py::object* o) {
       if (!Py_IsInitialized()) return;
@@ -891,7 +914,8 @@ class RingReduceBackend final : public c10d::Backend {
     if (is_send) work->finish(nullptr);
     auto g = g_;
     auto done = std::make_shared<std::atomic<bool>>(false);
-    std::thread waiter([g, work, transport, posted, is_send, peer, tag, host, t, done] {
+    std::thread waiter([g, work, transport, posted, is_send, peer, tag, host, t, staging,
+                        done] {
       const Finally mark_done([&] { done->store(true, std::memory_order_release); });
       int source = peer;
       std::string error;
@@ -905,8 +929,19 @@ class RingReduceBackend final : public c10d::Backend {
         }
       }
       if (error.empty() && !is_send && !host.is_same(t)) {
-        c10::InferenceMode no_autograd;
-        t.copy_(host);
+        try {
+          c10::InferenceMode no_autograd;
+          if (staging) {
+#ifdef RINGREDUCE_WITH_CUDA
+            stage_in(t, host, *staging, *work);
+#endif
+          } else {
+            t.copy_(host);
+          }
+        } catch (...) {
+          error = "ringreduce: recv on rank " + std::to_string(g->rank) + " failed copying its "
+                  "message into the tensor: " + error_text(std::current_exception());
+        }
       }
       if (!error.empty()) {
         g->fail(error);

@@ -75,8 +75,16 @@ class Event {
     c10::cuda::CUDAGuard guard(device_);
     C10_CUDA_CHECK(cudaEventCreateWithFlags(&e_, cudaEventDisableTiming));
   }
+  // Every call runs with the event's device current: on a thread that never set a device (the
+  // watchdog, a completion thread) a CUDA call would otherwise create a context on GPU 0.
   ~Event() {
-    if (e_ != nullptr) cudaEventDestroy(e_);  // no error to report from a destructor
+    if (e_ == nullptr) return;
+    try {
+      c10::cuda::CUDAGuard guard(device_);
+      cudaEventDestroy(e_);  // no error to report from a destructor
+    } catch (const std::exception&) {
+      // The device could not be made current (a broken context): the event is left behind.
+    }
   }
   Event(const Event&) = delete;
   Event& operator=(const Event&) = delete;
@@ -92,6 +100,7 @@ class Event {
   }
   // True when the recorded work is done; throws on a CUDA error.
   bool query() const {
+    c10::cuda::CUDAGuard guard(device_);
     const cudaError_t err = cudaEventQuery(e_);
     if (err == cudaErrorNotReady) {
       cudaGetLastError();  // not an error: clear it
@@ -100,11 +109,41 @@ class Event {
     C10_CUDA_CHECK(err);
     return true;
   }
+  c10::DeviceIndex device() const { return device_; }
 
  private:
   c10::DeviceIndex device_;
   cudaEvent_t e_ = nullptr;
 };
+
+// Why no work may be queued after the caller's `stream` now, or "" when it may. The
+// multi-process paths synchronise on the host, so a stream that is capturing a CUDA graph is
+// refused. cudaStreamIsCapturing on the legacy default stream (torch's default current stream)
+// fails with cudaErrorStreamCaptureImplicit while a blocking stream of the device is capturing,
+// typically another thread's capture: then this call is not being captured, but CUDA forbids
+// work on the legacy stream until that capture ends. Any other CUDA error throws.
+inline std::string capture_refusal(const c10::cuda::CUDAStream& stream) {
+  c10::cuda::CUDAGuard guard(stream.device_index());
+  cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
+  const cudaError_t err = cudaStreamIsCapturing(stream.stream(), &status);
+  if (err == cudaErrorStreamCaptureImplicit) {
+    (void)cudaGetLastError();  // not sticky: clear it
+    return "the caller's current stream is the legacy default stream, and a CUDA graph is "
+           "being captured on another stream of this device (typically by another thread): CUDA forbids work on the legacy "
+           "stream until that capture ends (cudaErrorStreamCaptureImplicit); issue the call on "
+           "another stream (with torch.cuda.stream(...)) or after the capture";
+  }
+  C10_CUDA_CHECK(err);
+  if (status == cudaStreamCaptureStatusActive) {
+    return "the caller's current stream is capturing a CUDA graph, and multi-process "
+           "collectives cannot be captured (they synchronise on the host)";
+  }
+  if (status == cudaStreamCaptureStatusInvalidated) {
+    return "the caller's current stream is in a CUDA graph capture that was invalidated (end "
+           "it with cudaStreamEndCapture); multi-process collectives cannot be captured";
+  }
+  return "";
+}
 #endif
 
 // Runs `fn` when the scope ends, however it ends.

@@ -186,6 +186,9 @@ inline c10::intrusive_ptr<c10::ivalue::Future> RRWork::getFuture() {
 
 struct Job {
   c10::intrusive_ptr<RRWork> work;
+  // On CUDA, what `run` captures (tensors, and copies made in the caller's thread such as a
+  // reshape of a non-contiguous input) lives until the collective's GPU work has finished
+  // (Engine::Inflight): no list of the tensors the internal stream reads can miss one.
   std::function<void()> run;
   bool cuda = false;
   bool drain_gpu = false;  // barrier: wait for the GPU work of every collective before it
@@ -273,26 +276,26 @@ class Engine : public std::enable_shared_from_this<Engine> {
     }
     watch_cv_.notify_all();
     join(watchdog_);
+    settle_inflight(deadline);
 #endif
   }
 
   bool used_cuda() const { return used_cuda_.load(); }
 
 #ifdef RINGREDUCE_WITH_CUDA
-  // The group's own stream on `device` (not torch's pool: user code cannot be handed it).
-  c10::cuda::CUDAStream stream(c10::DeviceIndex device) {
+  // The group's own stream on `device` for collectives (not torch's pool: user code cannot be
+  // handed it).
+  c10::cuda::CUDAStream stream(c10::DeviceIndex device) { return own_stream(streams_, device); }
+  // Point-to-point's own stream on `device`: a send or receive never waits on the GPU behind
+  // the collectives queued before it (a collective may itself wait for a peer's receive).
+  c10::cuda::CUDAStream p2p_stream(c10::DeviceIndex device) {
+    return own_stream(p2p_streams_, device);
+  }
+  // The one GPU this group's collectives have run on, if there is just one.
+  c10::optional<c10::DeviceIndex> sole_device() {
     const std::lock_guard<std::mutex> held(streams_mu_);
-    auto it = streams_.find(device);
-    if (it != streams_.end()) return it->second;
-    c10::cuda::CUDAGuard guard(device);
-    cudaStream_t s = nullptr;
-    C10_CUDA_CHECK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
-    auto stream = c10::cuda::getStreamFromExternal(s, device);
-    // Never destroyed: a Work (its future, its end event) may refer to the stream after the
-    // group is gone, and a process makes one per group and device.
-    streams_.emplace(device, stream);
-    used_cuda_.store(true);
-    return stream;
+    if (streams_.size() != 1) return c10::nullopt;
+    return streams_.begin()->first;
   }
 #endif
 
@@ -300,6 +303,24 @@ class Engine : public std::enable_shared_from_this<Engine> {
   static void join(std::thread& t) {
     if (t.joinable()) t.join();
   }
+
+#ifdef RINGREDUCE_WITH_CUDA
+  c10::cuda::CUDAStream own_stream(std::map<c10::DeviceIndex, c10::cuda::CUDAStream>& streams,
+                                   c10::DeviceIndex device) {
+    const std::lock_guard<std::mutex> held(streams_mu_);
+    auto it = streams.find(device);
+    if (it != streams.end()) return it->second;
+    c10::cuda::CUDAGuard guard(device);
+    cudaStream_t s = nullptr;
+    C10_CUDA_CHECK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+    auto stream = c10::cuda::getStreamFromExternal(s, device);
+    // Never destroyed: a Work (its future, its end event) may refer to the stream after the
+    // group is gone, and a process makes two per group and device.
+    streams.emplace(device, stream);
+    used_cuda_.store(true);
+    return stream;
+  }
+#endif
 
   // Only the progress thread waits on cv_ for `busy_`, and only with work pending (or to stop):
   // waking it otherwise would cost a context switch per synchronous call on a core the peers
@@ -331,6 +352,7 @@ class Engine : public std::enable_shared_from_this<Engine> {
 
   void execute(Job& job) {
     RRWork& work = *job.work;
+    [[maybe_unused]] bool gpu_queued = false;  // CUDA: run() started, GPU work may be queued
     try {
       if (g_->failed.load(std::memory_order_acquire)) {
         throw std::runtime_error("ringreduce: " + work.name() + " on rank " +
@@ -350,19 +372,29 @@ class Engine : public std::enable_shared_from_this<Engine> {
       c10::cuda::CUDAStreamGuard on_internal(*job.stream);
       job.ready->block(*job.stream);
       if (job.drain_gpu) drain_gpu();
+      gpu_queued = true;
       job.run();
       auto end = std::make_shared<Event>(job.stream->device_index());
       end->record(*job.stream);
       work.set_cuda(end, *job.stream);
       {
         const std::lock_guard<std::mutex> held(inflight_mu_);
-        inflight_.push_back(Inflight{job.work, end, Clock::now() + timeout()});
+        inflight_.push_back(
+            Inflight{job.work, end, Clock::now() + timeout(), std::move(job.run)});
       }
       watch_cv_.notify_all();
       work.finish(nullptr);
 #endif
     } catch (...) {
       const std::exception_ptr error = std::current_exception();
+#ifdef RINGREDUCE_WITH_CUDA
+      if (gpu_queued && job.run) {
+        // It may have queued GPU work before it threw: its captures are kept like those of a
+        // group that failed with GPU work in flight.
+        const std::lock_guard<std::mutex> held(inflight_mu_);
+        abandoned_.push_back(std::move(job.run));
+      }
+#endif
       g_->fail("ringreduce: " + work.name() + " on rank " + std::to_string(g_->rank) +
                " failed: " + error_text(error));
       work.finish(error);
@@ -379,17 +411,69 @@ class Engine : public std::enable_shared_from_this<Engine> {
     c10::intrusive_ptr<RRWork> work;
     std::shared_ptr<Event> end;
     Clock::time_point deadline;
+    // The job's closure: what the GPU work may still read or write. Released once `end` has
+    // completed, so the caching allocator never hands those blocks out while the internal
+    // stream uses them, whichever stream allocated them.
+    std::function<void()> captures;
   };
+
+  // Pops the front entry if it is still `end`'s; released by the caller outside the lock.
+  Inflight pop_done(const std::shared_ptr<Event>& end) {
+    const std::lock_guard<std::mutex> held(inflight_mu_);
+    Inflight done;
+    if (!inflight_.empty() && inflight_.front().end == end) {
+      done = std::move(inflight_.front());
+      inflight_.pop_front();
+    }
+    return done;
+  }
+
+  // The group failed with GPU work unfinished: that work may still run (a late peer) or never
+  // will; either way its memory must not be handed out again, so it is kept (settle_inflight:
+  // until the process exits). Called with inflight_mu_ held.
+  void abandon_inflight() {
+    for (Inflight& f : inflight_) abandoned_.push_back(std::move(f.captures));
+    inflight_.clear();
+  }
+
+  // At stop, after the watchdog: waits (until `deadline`) for the GPU work still in flight and
+  // releases its captures; what has not finished by then, and what abandon_inflight() kept, is
+  // kept until the process exits (a leak is better than memory the GPU may still use).
+  void settle_inflight(Clock::time_point deadline) {
+    std::deque<Inflight> left;
+    std::vector<std::function<void()>> abandoned;
+    {
+      const std::lock_guard<std::mutex> held(inflight_mu_);
+      left.swap(inflight_);
+      abandoned.swap(abandoned_);
+    }
+    for (Inflight& f : left) {
+      bool done = false;
+      try {
+        while (!(done = f.end->query()) && Clock::now() < deadline) {
+          std::this_thread::sleep_for(std::chrono::microseconds(200));
+        }
+      } catch (const std::exception&) {
+        done = false;  // a CUDA error: the work's state is unknown
+      }
+      if (done) {
+        const c10::cuda::CUDAGuard on_device(f.end->device());
+        f.captures = nullptr;
+      } else {
+        abandoned.push_back(std::move(f.captures));
+      }
+    }
+    static std::mutex kept_mu;
+    static auto* kept = new std::vector<std::function<void()>>();  // never destroyed
+    const std::lock_guard<std::mutex> held(kept_mu);
+    for (auto& c : abandoned) kept->push_back(std::move(c));
+  }
 
   // Host-waits (bounded) until the GPU work of every collective queued so far has finished.
   void drain_gpu() {
     for (;;) {
-      Inflight first;
-      {
-        const std::lock_guard<std::mutex> held(inflight_mu_);
-        if (inflight_.empty()) return;
-        first = inflight_.front();
-      }
+      const Inflight first = front();
+      if (!first.end) return;
       while (!first.end->query()) {
         if (Clock::now() > first.deadline) {
           gpu_timeout(first.work->name());
@@ -397,14 +481,27 @@ class Engine : public std::enable_shared_from_this<Engine> {
         }
         std::this_thread::sleep_for(std::chrono::microseconds(200));
       }
-      const std::lock_guard<std::mutex> held(inflight_mu_);
-      if (!inflight_.empty() && inflight_.front().end == first.end) inflight_.pop_front();
+      pop_done(first.end);  // its captures are released here, outside the lock
     }
+  }
+
+  // The front entry without its captures (empty when nothing is in flight).
+  Inflight front() {
+    const std::lock_guard<std::mutex> held(inflight_mu_);
+    Inflight f;
+    if (!inflight_.empty()) {
+      f.work = inflight_.front().work;
+      f.end = inflight_.front().end;
+      f.deadline = inflight_.front().deadline;
+    }
+    return f;
   }
 
   // The watchdog: fails the group when a collective's GPU work has not finished within the
   // group's timeout (a peer's GPU work it waits for may never come), or its event reports an
-  // error. Never runs collectives, so a stuck collective cannot stop it.
+  // error; releases the captures of the collectives whose GPU work has finished. Never runs
+  // collectives, so a stuck collective cannot stop it. Its CUDA calls run with the event's
+  // device current (Event), so this thread never creates a context on another GPU.
   void watch() {
     std::unique_lock<std::mutex> lock(inflight_mu_);
     while (!watch_stop_) {
@@ -412,26 +509,32 @@ class Engine : public std::enable_shared_from_this<Engine> {
         watch_cv_.wait(lock, [this] { return watch_stop_ || !inflight_.empty(); });
         continue;
       }
-      Inflight first = inflight_.front();
       lock.unlock();
+      const Inflight first = front();
       bool done = false;
       std::string error;
       try {
-        done = first.end->query();
+        done = first.end && first.end->query();
       } catch (const std::exception& e) {
         error = e.what();
       }
+      if (done) {
+        // Frees with the event's device current: no context on another GPU.
+        const c10::cuda::CUDAGuard on_device(first.end->device());
+        pop_done(first.end);
+        lock.lock();
+        continue;
+      }
       lock.lock();
+      if (!first.end) continue;
       if (!error.empty()) {
-        inflight_.clear();
+        abandon_inflight();
         lock.unlock();
         g_->fail("ringreduce: the GPU work of " + first.work->name() + " on rank " +
                  std::to_string(g_->rank) + " failed: " + error);
         lock.lock();
-      } else if (done) {
-        if (!inflight_.empty() && inflight_.front().end == first.end) inflight_.pop_front();
       } else if (Clock::now() > first.deadline) {
-        inflight_.clear();
+        abandon_inflight();
         lock.unlock();
         gpu_timeout(first.work->name());
         lock.lock();
@@ -451,10 +554,11 @@ class Engine : public std::enable_shared_from_this<Engine> {
   std::mutex inflight_mu_;
   std::condition_variable watch_cv_;
   std::deque<Inflight> inflight_;
+  std::vector<std::function<void()>> abandoned_;  // abandon_inflight()
   bool watch_stop_ = false;
   std::thread watchdog_;
   std::mutex streams_mu_;
-  std::map<c10::DeviceIndex, c10::cuda::CUDAStream> streams_;
+  std::map<c10::DeviceIndex, c10::cuda::CUDAStream> streams_, p2p_streams_;
 #endif
 
   std::shared_ptr<Group> g_;

@@ -16,16 +16,73 @@
 #include "comm.h"
 #include "engine.h"
 
+#ifdef RINGREDUCE_WITH_CUDA
+#include <c10/cuda/CUDACachingAllocator.h>
+#endif
+
 namespace rr {
 namespace dist {
 // Hidden like the pybind11 types its classes hold (an anonymous namespace before the split).
 namespace detail __attribute__((visibility("hidden"))) {
 
+// ---- host staging of CUDA tensors for point-to-point ------------------------------------
+// Shared by the one-host engine below and the cross-host path (backend.cpp's xhost_p2p).
+// CUDA tensors go through pinned host memory on point-to-point's internal stream of their
+// device (Engine::p2p_stream): a send copies its tensor out after the work queued before it on
+// the caller's stream; a receive copies the message in when it has arrived, and its Work's
+// wait() makes the caller's stream wait for that copy.
+
+#ifdef RINGREDUCE_WITH_CUDA
+struct CudaStaging {
+  c10::cuda::CUDAStream stream;  // point-to-point's internal stream on the tensor's device
+  std::shared_ptr<Event> ready;  // the caller's stream at issue time
+};
+
+// The caller's thread, before anything is posted: refuses a capturing stream, marks the work
+// queued so far on the caller's stream, and tells the caching allocator that `stream` uses t.
+inline CudaStaging stage_issue(const at::Tensor& t, const c10::cuda::CUDAStream& stream,
+                               const char* name, int rank) {
+  const c10::cuda::CUDAStream current = c10::cuda::getCurrentCUDAStream(t.device().index());
+  const std::string refusal = capture_refusal(current);
+  TORCH_CHECK(refusal.empty(), "ringreduce ", name, " on rank ", rank, ": ", refusal);
+  auto ready = std::make_shared<Event>(t.device().index());
+  ready->record(current);
+  c10::cuda::CUDACachingAllocator::recordStream(t.storage().data_ptr(), stream);
+  return CudaStaging{stream, std::move(ready)};
+}
+
+// Pinned host memory standing in for t, after the caller's work before `ready`; for a send it
+// holds t's bytes (the host waits for that copy, on the internal stream only).
+inline at::Tensor stage_out(const at::Tensor& t, const CudaStaging& s, bool send) {
+  c10::cuda::CUDAStreamGuard on_internal(s.stream);
+  s.ready->block(s.stream);
+  at::Tensor host = at::empty(t.sizes(), t.options().device(at::kCPU).pinned_memory(true));
+  if (send) {
+    host.copy_(t, /*non_blocking=*/true);
+    C10_CUDA_CHECK(cudaStreamSynchronize(s.stream.stream()));
+  }
+  return host;
+}
+
+// A receive whose message is in `host`: copies it into t on the internal stream and gives
+// `work` the end event its wait() puts on the caller's stream.
+inline void stage_in(const at::Tensor& t, const at::Tensor& host, const CudaStaging& s,
+                     RRWork& work) {
+  c10::cuda::CUDAStreamGuard on_internal(s.stream);
+  t.copy_(host, /*non_blocking=*/true);
+  auto end = std::make_shared<Event>(s.stream.device_index());
+  end->record(s.stream);
+  // The pinned buffer is freed with the job: the copy must have read it by then.
+  C10_CUDA_CHECK(cudaStreamSynchronize(s.stream.stream()));
+  work.set_cuda(end, s.stream);
+}
+#else
+struct CudaStaging {};  // a build without CUDA stages nothing
+#endif
+
 // ---- point-to-point ----------------------------------------------------------------------
 // One thread per group posts sends and receives to the native channels (p2p.h) and completes
-// their Works in the order they finish. CUDA tensors go through pinned host memory on an
-// internal stream: a send copies its tensor out after the work queued before it on the
-// caller's stream; a receive copies the message in when it has arrived.
+// their Works in the order they finish; CUDA tensors are staged as above.
 
 struct P2PJob {
   c10::intrusive_ptr<RRWork> work;
@@ -34,14 +91,12 @@ struct P2PJob {
   int peer = kAnySource;
   int64_t tag = 0;
   at::Tensor host;
-#ifdef RINGREDUCE_WITH_CUDA
-  std::shared_ptr<Event> ready;
-#endif
+  c10::optional<CudaStaging> staging;  // CUDA tensors
 };
 
 class P2PEngine {
  public:
-  P2PEngine(std::shared_ptr<Group> g, Engine* engine) : g_(std::move(g)), engine_(engine) {
+  explicit P2PEngine(std::shared_ptr<Group> g) : g_(std::move(g)) {
     comm_ = g_->transport->native();
     thread_ = std::thread([this] { loop(); });
   }
@@ -135,14 +190,7 @@ class P2PEngine {
       const at::Tensor& t = job->tensor;
       if (t.is_cuda()) {
 #ifdef RINGREDUCE_WITH_CUDA
-        const c10::cuda::CUDAStream s = engine_->stream(t.device().index());
-        c10::cuda::CUDAStreamGuard on_internal(s);
-        job->ready->block(s);
-        job->host = at::empty(t.sizes(), t.options().device(at::kCPU).pinned_memory(true));
-        if (job->send) {
-          job->host.copy_(t, /*non_blocking=*/true);
-          C10_CUDA_CHECK(cudaStreamSynchronize(s.stream()));
-        }
+        job->host = stage_out(t, *job->staging, job->send);
 #else
         TORCH_CHECK(false, "ringreduce: CUDA tensor in a build without CUDA");
 #endif
@@ -173,14 +221,7 @@ class P2PEngine {
         work.finish(nullptr);
       } else if (job.tensor.is_cuda()) {
 #ifdef RINGREDUCE_WITH_CUDA
-        const c10::cuda::CUDAStream s = engine_->stream(job.tensor.device().index());
-        c10::cuda::CUDAStreamGuard on_internal(s);
-        job.tensor.copy_(job.host, /*non_blocking=*/true);
-        auto end = std::make_shared<Event>(s.device_index());
-        end->record(s);
-        // The pinned buffer is freed with the job: the copy must have read it by then.
-        C10_CUDA_CHECK(cudaStreamSynchronize(s.stream()));
-        work.set_cuda(end, s);
+        stage_in(job.tensor, job.host, *job.staging, work);
         work.finish(nullptr);
 #endif
       } else {
@@ -199,7 +240,6 @@ class P2PEngine {
   }
 
   std::shared_ptr<Group> g_;
-  Engine* engine_;
   Comm* comm_;
   std::mutex mu_;
   std::condition_variable done_cv_;

@@ -42,6 +42,10 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.timeout(DEFAULT_TIMEOUT_S))
 
 
+# Set for the whole process by pytest itself or by torch on first use (not by a test).
+_SET_BY_PYTEST_OR_TORCH = {"PYTEST_CURRENT_TEST", "TORCHINDUCTOR_CACHE_DIR"}
+
+
 @pytest.fixture(autouse=True)
 def environment_restored():
     """Every test leaves os.environ as it found it (a variable set by the code under test leaks
@@ -49,7 +53,8 @@ def environment_restored():
     before = dict(os.environ)
     yield
     after = dict(os.environ)
-    changed = sorted(k for k in before.keys() | after.keys() if before.get(k) != after.get(k))
+    changed = sorted(k for k in before.keys() | after.keys()
+                     if before.get(k) != after.get(k) and k not in _SET_BY_PYTEST_OR_TORCH)
     if changed:
         os.environ.clear()
         os.environ.update(before)

@@ -248,7 +248,7 @@ def test_reads_what_bench_ring_writes(tmp_path):
     CPU's numbers are no GPU's, this checks only that the fields are where the model reads
     them)."""
     pytest.importorskip("ringreduce._C", reason="needs the built extension to run bench/ring.py")
-    ring = _load("bench_ring_for_costmodel", ROOT / "bench" / "ring.py")
+    ring = load_module("bench_ring_for_costmodel", ROOT / "bench" / "ring.py")
     path = tmp_path / "cpu.json"
     rc = ring.main(["--device", "cpu", "--ranks", "4", "--iters", "2", "--warmup", "1",
                     "--max-bytes", "1K", "--json", str(path)], out=io.StringIO())

@@ -177,7 +177,7 @@ def _collectives_sweep(rank, world, store, device):
                     for t in random_inputs(world, world * count, dtype, op, generator=g)]
             reduce_op = getattr(dist.ReduceOp, {"prod": "PRODUCT"}.get(op, op.upper()))
             out = torch.full((count,), 7, dtype=dtype, device=device)
-            flat = full[rank].reshape(-1).to(device)
+            flat = full[rank].reshape(-1).to(device, copy=True)  # in place below
             dist.reduce_scatter_tensor(out, flat, op=reduce_op)
             seg = [full[q][rank] for q in range(world)]
             expect = seg[0].clone()

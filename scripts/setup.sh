@@ -11,6 +11,8 @@ $PY -c "import torch" 2>/dev/null || missing+=("torch==${RINGREDUCE_TORCH:-2.13.
 for mod in ninja pytest numpy; do
   $PY -c "import $mod" 2>/dev/null || missing+=("$mod")
 done
+# pytest-timeout bounds every test (tests/conftest.py gives each one a timeout).
+$PY -c "import pytest_timeout" 2>/dev/null || missing+=("pytest-timeout")
 if [ ${#missing[@]} -gt 0 ]; then
   echo "setup: installing ${missing[*]}"
   $PY -m pip install -q "${missing[@]}"

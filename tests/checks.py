@@ -8,9 +8,18 @@ passed to the collective; each given stream first waits for the current stream, 
 inputs were written.
 
 Also what every GPU test module shares: `needs_cuda` (skip, or fail under
-RINGREDUCE_REQUIRE_CUDA=1, where no GPU test can run) and `sleep_cycles`.
+RINGREDUCE_REQUIRE_CUDA=1, where no GPU test can run) and `sleep_cycles`; and the helpers more
+than one test module needs: `free_port`, `communicate_bounded`, `load_module` (bench/ scripts),
+`small_net`/`ddp_steps` (the DDP model), `thread_count`, `rss_kib`, `fd_count`.
 """
+import glob
+import importlib.util
 import os
+import signal
+import socket
+import subprocess
+import sys
+import zlib
 
 import pytest
 import torch
@@ -43,8 +52,9 @@ def require_cuda():
     pytest.skip(reason)
 
 
-# Marks a GPU test (or, as pytestmark, a module of them); the fixture is in conftest.py.
-needs_cuda = pytest.mark.usefixtures("cuda_required")
+# Marks a GPU test (or, as pytestmark, a module of them, or a pytest.param); conftest.py's
+# autouse fixture calls require_cuda() for every test that carries it.
+needs_cuda = pytest.mark.needs_cuda
 
 
 def sleep_cycles(seconds):
@@ -220,3 +230,99 @@ def check_copying_collectives(dtype, devices, generator, sizes, streams=None):
         for root in sorted({0, n // 2, n - 1}):
             check_broadcast(random_inputs(n, count, dtype, "sum", generator=generator), devices,
                             root, streams)
+
+
+# ---------------------------------------------------------------------------------------
+# Helpers shared by several test modules.
+
+def free_port():
+    """A TCP port on 127.0.0.1 that was free a moment ago."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def communicate_bounded(proc, timeout):
+    """proc.communicate() bounded by `timeout`; past it the whole process group is killed (start
+    proc with start_new_session=True: orphaned children would hold the pipe open otherwise) and
+    the remaining output is read with a second bound. Returns the output."""
+    try:
+        return proc.communicate(timeout=timeout)[0]
+    except subprocess.TimeoutExpired:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        try:
+            out = proc.communicate(timeout=10)[0]
+        except subprocess.TimeoutExpired:
+            out = "(output unreadable: the pipe stayed open after the kill)"
+        return f"{out}\n(killed after {timeout} s)"
+
+
+def load_module(name, path):
+    """Imports a script (bench/ring.py, ...) as module `name`."""
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up while it executes
+    spec.loader.exec_module(module)
+    return module
+
+
+def small_net():
+    """The small conv net the DDP tests train (BatchNorm buffers included)."""
+    return torch.nn.Sequential(
+        torch.nn.Conv2d(1, 4, 3, padding=1), torch.nn.BatchNorm2d(4), torch.nn.ReLU(),
+        torch.nn.Flatten(), torch.nn.Linear(4 * 6 * 6, 5))
+
+
+def ddp_steps(rank, group, device="cpu", steps=4):
+    """Trains small_net under DDP on `group` from a different initial state per rank (DDP must
+    broadcast rank 0's); returns the model."""
+    torch.manual_seed(1234 + rank)
+    model = small_net().to(device)
+    ddp = torch.nn.parallel.DistributedDataParallel(model, process_group=group,
+                                                    bucket_cap_mb=0.001)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.1, momentum=0.9)
+    g = torch.Generator().manual_seed(99 + rank)
+    for _ in range(steps):
+        x = torch.randn(8, 1, 6, 6, generator=g).to(device)
+        y = torch.randint(0, 5, (8,), generator=g).to(device)
+        opt.zero_grad()
+        torch.nn.functional.cross_entropy(ddp(x), y).backward()
+        opt.step()
+    return model
+
+
+def thread_count():
+    """Threads of this process, C++ std::threads included (threading.active_count() sees only
+    Python's)."""
+    return len(os.listdir("/proc/self/task"))
+
+
+def fd_count():
+    return len(os.listdir("/proc/self/fd"))
+
+
+def rss_kib():
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1])
+    raise RuntimeError("no VmRSS in /proc/self/status")
+
+
+def segments_of(pids):
+    """The /dev/shm segments created by these processes (a segment's name starts with its
+    creator's pid; other tests and other runs on this machine make segments of their own)."""
+    return sorted(n for n in glob.glob("/dev/shm/ringreduce-*")
+                  if any(n.startswith(f"/dev/shm/ringreduce-{pid}-") for pid in pids))
+
+
+def seeded(*case):
+    """A generator seeded from the case's description: the same seed in every process and run
+    (hash() of a str is randomised per process), printed so a failure can be reproduced."""
+    name = " ".join(str(part).replace("torch.", "") for part in case)
+    seed = zlib.crc32(name.encode())
+    print(f"seed {seed} ({name})")
+    return torch.Generator().manual_seed(seed)

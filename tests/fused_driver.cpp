@@ -123,25 +123,6 @@ struct HostSync {
 const int64_t kSizes[] = {0, 1, 2, 3, 5, 7, 17, 33, 100, 257, 1001, 4099};
 constexpr int kMaxN = 8, kMaxG = 3;
 
-void fill(uint8_t* p, int64_t count, DType dtype, std::mt19937_64& rng) {
-  std::uniform_real_distribution<double> real(-4.0, 4.0);
-  for (int64_t i = 0; i < count; ++i) {
-    const double d = real(rng);
-    switch (dtype) {
-      case DType::F32: { const float f = float(d); std::memcpy(p + 4 * i, &f, 4); break; }
-      case DType::F64: std::memcpy(p + 8 * i, &d, 8); break;
-      case DType::F16: {
-        const uint16_t h = half_from_float(float(d)).x;
-        std::memcpy(p + 2 * i, &h, 2);
-        break;
-      }
-      case DType::I32: { const int32_t x = int32_t(rng()); std::memcpy(p + 4 * i, &x, 4); break; }
-      case DType::I8: p[i] = uint8_t(rng()); break;
-      default: std::abort();
-    }
-  }
-}
-
 struct Flags {
   std::vector<std::atomic<uint64_t>> words;
   explicit Flags(int64_t bytes) : words(size_t(bytes / 8)) {
@@ -226,9 +207,10 @@ struct Case {
        std::mt19937_64& rng) {
     bytes = count * elem_size(dtype);
     std::vector<void*> pring;
+    Values values{std::mt19937_64(rng()), 0};
     for (int r = 0; r < n; ++r) {
       in.emplace_back(bytes, offset);
-      fill(in.back().data, count, dtype, rng);
+      fill(in.back().data, count, dtype, values);
       out.emplace_back(bytes, offset);
       std::memset(out.back().data, 0x5A, size_t(bytes));
       for (std::vector<Buf>* copy : {&ring, &orig}) {

@@ -35,64 +35,6 @@ const int kRanks[] = {1, 2, 3, 4, 5, 6, 7, 8, 9, 16, 64};
 const int64_t kSizes[] = {0, 1, 2, 3, 7, 8, 15, 16, 17, 31, 33, 63, 64, 65, 127, 129, 1000, 4099};
 const int64_t kThreads[] = {1, 7, 64, 1000};
 
-struct Values {
-  std::mt19937_64 rng;
-  int mode;  // 0: ordinary numbers; 1: with NaN, inf, -0.0, subnormals; 2: random bits
-
-  double ordinary() { return std::uniform_real_distribution<double>(-4.0, 4.0)(rng); }
-  double special() {
-    const double s[] = {std::numeric_limits<double>::quiet_NaN(),
-                        -std::numeric_limits<double>::quiet_NaN(),
-                        std::numeric_limits<double>::infinity(),
-                        -std::numeric_limits<double>::infinity(),
-                        -0.0, 0.0, 1e-40, -1e-310, 6e-8, 65504.0, 3.4e38};
-    return s[rng() % (sizeof(s) / sizeof(s[0]))];
-  }
-  double number() { return mode == 1 && rng() % 8 == 0 ? special() : ordinary(); }
-  uint64_t bits() { return rng(); }
-  bool random_bits() { return mode == 2; }
-};
-
-void fill(uint8_t* p, int64_t count, DType dtype, Values& v) {
-  for (int64_t i = 0; i < count; ++i) {
-    const uint64_t b = v.bits();
-    switch (dtype) {
-      case DType::F32: {
-        const float f = float(v.number());
-        std::memcpy(p + 4 * i, v.random_bits() ? static_cast<const void*>(&b) : &f, 4);
-        break;
-      }
-      case DType::F64: {
-        const double d = v.number();
-        std::memcpy(p + 8 * i, v.random_bits() ? static_cast<const void*>(&b) : &d, 8);
-        break;
-      }
-      case DType::F16: {
-        const uint16_t h = v.random_bits() ? uint16_t(b) : half_from_float(float(v.number())).x;
-        std::memcpy(p + 2 * i, &h, 2);
-        break;
-      }
-      case DType::BF16: {
-        const uint16_t h = v.random_bits() ? uint16_t(b) : bf16_from_float(float(v.number())).x;
-        std::memcpy(p + 2 * i, &h, 2);
-        break;
-      }
-      case DType::I32:
-      case DType::I64:
-      case DType::I8:
-      case DType::U8: {
-        // Small values keep sums and products meaningful; full-range bits wrap.
-        const uint64_t x = v.mode == 0 ? uint64_t(int64_t(b % 7) - 3) : b;
-        std::memcpy(p + elem_size(dtype) * i, &x, size_t(elem_size(dtype)));
-        break;
-      }
-      case DType::Bool:
-        p[i] = v.random_bits() ? uint8_t(b) : uint8_t(b & 1);
-        break;
-    }
-  }
-}
-
 bool is_nan_at(const uint8_t* p, DType dtype) {
   uint64_t u = 0;
   std::memcpy(&u, p, size_t(elem_size(dtype)));

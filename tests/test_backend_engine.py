@@ -14,8 +14,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from test_clients import _free_port
-from test_distributed import _shm_names, init, run_ranks, values
+from checks import free_port, segments_of
+from test_distributed import init, run_ranks, values
 
 
 def _train_powersgd(rank, world, store, backend, wrap_fp16):
@@ -148,16 +148,16 @@ EXIT_SCRIPT = textwrap.dedent("""
 
 @pytest.mark.parametrize("mode", ["recv", "queued", "abort", "plain"])
 def test_interpreter_exit_with_work_posted_is_clean(tmp_path, mode):
-    before = _shm_names()
     script = tmp_path / "exit.py"
     script.write_text(EXIT_SCRIPT)
-    port = _free_port()
+    port = free_port()
     procs = []
     for rank in range(2):
         env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                    WORLD_SIZE="2", PYTHONPATH=os.pathsep.join(sys.path))
         procs.append(subprocess.Popen([sys.executable, str(script), mode], env=env,
-                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                      start_new_session=True))
     start = time.monotonic()
     outs = []
     for p in procs:
@@ -173,4 +173,5 @@ def test_interpreter_exit_with_work_posted_is_clean(tmp_path, mode):
         assert f"leaving {rank}" in out
         assert "terminate called" not in err, err[-3000:]
     assert elapsed < 45, f"exit took {elapsed:.1f} s"
-    assert _shm_names() <= before, f"left in /dev/shm: {_shm_names() - before}"
+    pids = [p.pid for p in procs]
+    assert not segments_of(pids), f"left in /dev/shm: {segments_of(pids)}"

@@ -10,21 +10,15 @@ from pathlib import Path
 
 import pytest
 
+from checks import load_module
+
 ROOT = Path(__file__).resolve().parents[1]
 BENCH = ROOT / "bench" / "ddp.py"
 TIMEOUT = 300  # s per bench run; a tiny run takes ~10 s, plus DeepSpeed's op build the first time
 TINY = ["--device", "cpu", "--skip-ddp", "--iters", "2", "--warmup", "1", "--copy-bytes", "8M"]
 
 
-def _load_bench():
-    spec = importlib.util.spec_from_file_location("bench_ddp", BENCH)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-ddp = _load_bench()
+ddp = load_module("bench_ddp", BENCH)
 
 
 def run_bench(args, hide_peers=False):

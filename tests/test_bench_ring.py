@@ -16,16 +16,14 @@ import torch
 
 import ringreduce
 
+from checks import load_module, needs_cuda
+
 ROOT = Path(__file__).resolve().parents[1]
 BENCH = ROOT / "bench" / "ring.py"
 
 
 def _load_bench():
-    spec = importlib.util.spec_from_file_location("bench_ring", BENCH)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up while it executes
-    spec.loader.exec_module(module)
-    return module
+    return load_module("bench_ring", BENCH)
 
 
 ring = _load_bench()
@@ -276,8 +274,11 @@ def fake_nccl_torch(monkeypatch):
     """Pretend torch has NCCL, so setup_nccl's decisions can be checked without a GPU."""
     monkeypatch.setattr(torch._C, "_nccl_all_reduce", object(), raising=False)
     monkeypatch.setattr(ring, "torch_nccl_accepts", lambda cfg: False)
-    monkeypatch.delenv("NCCL_MULTI_RANK_GPU_ENABLE", raising=False)
-    monkeypatch.delenv("RINGREDUCE_NCCL_LIB", raising=False)
+    # setenv first: delenv of an unset variable records nothing, and setup_nccl sets
+    # NCCL_MULTI_RANK_GPU_ENABLE, which must not outlive the test.
+    for name in ("NCCL_MULTI_RANK_GPU_ENABLE", "RINGREDUCE_NCCL_LIB"):
+        monkeypatch.setenv(name, "")
+        monkeypatch.delenv(name)
 
 
 def test_old_nccl_on_one_gpu_is_named_in_its_column(monkeypatch, fake_nccl_torch):
@@ -315,8 +316,7 @@ def test_nccl_probe_child_reports_why():
     assert reason is not None and "no CUDA device" in reason
 
 
-@pytest.mark.skipif(not ringreduce.build_info()["cuda"], reason="ringreduce was built CPU-only")
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device visible to torch")
+@needs_cuda
 def test_cuda_simulated_ranks_tiny(tmp_path):
     """On one GPU (CUDA_VISIBLE_DEVICES=0): 4 simulated ranks, #wrong 0, the roofline present,
     and NCCL either measured and right or unavailable with a reason."""

@@ -11,6 +11,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from checks import free_port
 from test_distributed import run_ranks, values
 
 
@@ -124,19 +125,11 @@ out.close()
 """
 
 
-def _free_port():
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _torchrun(script, *args, timeout):
     """Runs `script` under torchrun with 2 processes on this host; returns the CompletedProcess."""
     return subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
-         "--master_addr", "127.0.0.1", "--master_port", str(_free_port()), str(script),
+         "--master_addr", "127.0.0.1", "--master_port", str(free_port()), str(script),
          *map(str, args)], capture_output=True, text=True, timeout=timeout)
 
 

@@ -5,7 +5,8 @@ import pytest
 import torch
 
 import ringreduce
-from checks import check_copying_collectives, check_reducing_collectives, poison_like
+from checks import (check_copying_collectives, check_reducing_collectives, poison_like,
+                    seeded)
 from reference import ALL_DTYPES, random_inputs, reduce_scatter_model, ring_model, valid_ops
 
 SIZES = (0, 1, 7, 33, 1000, 4099)
@@ -22,14 +23,14 @@ def _reducing_cases():
 
 @pytest.mark.parametrize("dtype,op,nranks", list(_reducing_cases()), ids=IDS)
 def test_reducing_collectives(dtype, op, nranks):
-    g = torch.Generator().manual_seed(hash((str(dtype), op, nranks, "rc")) % 2**31)
+    g = seeded("reducing", dtype, op, nranks)
     check_reducing_collectives(dtype, op, ["cpu"] * nranks, g, SIZES)
 
 
 @pytest.mark.parametrize("dtype", ALL_DTYPES, ids=IDS)
 @pytest.mark.parametrize("nranks", RANKS)
 def test_copying_collectives(dtype, nranks):
-    g = torch.Generator().manual_seed(hash((str(dtype), nranks, "cc")) % 2**31)
+    g = seeded("copying", dtype, nranks)
     check_copying_collectives(dtype, ["cpu"] * nranks, g, SIZES)
 
 

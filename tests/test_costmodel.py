@@ -3,28 +3,20 @@ parameters of rows the model generated, the predicted busbw tends to f * B_link,
 crossover agrees with its closed form, and a --json file it cannot use fails with a message
 naming the file and the rule. Plain Python and no GPU: milliseconds, except the one test that
 runs bench/ring.py on the CPU to check the fields its JSON has (torch, about two seconds)."""
-import importlib.util
 import io
 import json
 import math
-import sys
 from dataclasses import replace
 from pathlib import Path
 
 import pytest
 
+from checks import load_module
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _load(name, path):
-    spec = importlib.util.spec_from_file_location(name, path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up while it executes
-    spec.loader.exec_module(module)
-    return module
-
-
-cm = _load("bench_costmodel", ROOT / "bench" / "costmodel.py")
+cm = load_module("bench_costmodel", ROOT / "bench" / "costmodel.py")
 
 TRUE = cm.Params(t0_us=7.0, step_us=3.5, hbm_gbps=2750.0, event_us=1.0, wait_us=5.0)
 SIZES = [1 << k for k in range(3, 31)]  # 8 B .. 1 GiB, as bench/ring.py sweeps by default
@@ -256,7 +248,7 @@ def test_reads_what_bench_ring_writes(tmp_path):
     CPU's numbers are no GPU's, this checks only that the fields are where the model reads
     them)."""
     pytest.importorskip("ringreduce._C", reason="needs the built extension to run bench/ring.py")
-    ring = _load("bench_ring_for_costmodel", ROOT / "bench" / "ring.py")
+    ring = load_module("bench_ring_for_costmodel", ROOT / "bench" / "ring.py")
     path = tmp_path / "cpu.json"
     rc = ring.main(["--device", "cpu", "--ranks", "4", "--iters", "2", "--warmup", "1",
                     "--max-bytes", "1K", "--json", str(path)], out=io.StringIO())

@@ -11,7 +11,7 @@ everywhere.
   to call), and a call queued behind a long sleep returning to the host at once.
 - Limits: more than 2^31 elements (int8), 64 ranks (the largest launch), 65 (a clear error).
 - Storage offsets that keep 16-byte alignment (the vector path) and launches mixing aligned
-  and unaligned ranks.
+  and unaligned ranks; on CPU too.
 - NaN and Inf through sum/max/min: the CPU path against float64 / torch.maximum references, and
   the GPU against the CPU path.
 - CUDA graphs: capture and replay on one stream bit for bit equal to eager calls; paths that
@@ -36,7 +36,7 @@ import torch
 import ringreduce
 from checks import (POISON_BYTE, Unchanged, assert_same_bits, bits, check_all_reduce,
                     check_copying_collectives, check_reducing_collectives, needs_cuda,
-                    poison_like, sleep_cycles)
+                    poison_like, seeded, sleep_cycles)
 from reference import (UNIT_ROUNDOFF, all_gather_model, chunk_bounds, random_inputs,
                        reduce_scatter_model, ring_model)
 
@@ -436,63 +436,65 @@ ALIGNMENT_PATTERNS = {
 }
 
 
-def _offset_views(numels, dtype, aligned):
+def _offset_views(numels, dtype, aligned, device=DEV):
     """One view per rank into a larger buffer at a non-zero storage offset: a multiple of 16
     bytes where aligned[r], one element more otherwise."""
     vec = 16 // torch.empty((), dtype=dtype).element_size()
     views = []
     for r, ok in enumerate(aligned):
         offset = vec * (r + 1) + (0 if ok else 1)
-        base = torch.empty(numels + offset + vec, dtype=dtype, device=DEV)
+        base = torch.empty(numels + offset + vec, dtype=dtype, device=device)
         v = base.narrow(0, offset, numels)
         assert (v.data_ptr() % 16 == 0) == ok, "the view is not aligned as the test means it"
         views.append(v)
     return views
 
 
-@needs_cuda
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda:0", marks=needs_cuda)])
 @pytest.mark.parametrize("op", ["sum", "max"])
 @pytest.mark.parametrize("pattern", list(ALIGNMENT_PATTERNS))
 @pytest.mark.parametrize("nranks", [3, 5])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.int8,
                                    torch.float64], ids=IDS)
-def test_storage_offsets(dtype, nranks, pattern, op):
+def test_storage_offsets(dtype, nranks, pattern, op, device):
     """all_reduce (in place, and out of place into views aligned the other way round),
-    reduce_scatter and all_gather on views at storage offsets: the CPU path's bits."""
-    g = torch.Generator().manual_seed(nranks * 7 + len(pattern) + len(op))
+    reduce_scatter and all_gather on views at storage offsets: the ring model's bits. On CPU
+    too: the combine's SIMD loops have aligned and unaligned paths of their own."""
+    g = seeded("storage offsets", dtype, nranks, pattern, op)
     aligned = [ALIGNMENT_PATTERNS[pattern](r, nranks) for r in range(nranks)]
     flipped = aligned[::-1]
-    for count in (33, 4099, (1 << 18) + 5):
+    big = (1 << 18) + 5 if device != "cpu" else 70001
+    for count in (33, 4099, big):
         inputs = random_inputs(nranks, count, dtype, op, generator=g)
-        views = _offset_views(count, dtype, aligned)
+        expected = ring_model(inputs, op)
+        views = _offset_views(count, dtype, aligned, device)
         for v, x in zip(views, inputs):
             v.copy_(x)
         ringreduce.all_reduce(views, op)
-        cpu = ringreduce.all_reduce([x.clone() for x in inputs], op)
         for r, v in enumerate(views):
-            assert_same_bits(v, cpu[r], f"in place, rank {r}, n={count}")
+            assert_same_bits(v, expected, f"in place, rank {r}, n={count}")
 
-        views = _offset_views(count, dtype, aligned)
-        outs = _offset_views(count, dtype, flipped)
+        views = _offset_views(count, dtype, aligned, device)
+        outs = _offset_views(count, dtype, flipped, device)
         for v, o, x in zip(views, outs, inputs):
             v.copy_(x)
             o.view(torch.uint8).fill_(POISON_BYTE)
         ringreduce.all_reduce(views, op, outputs=outs)
         for r, (v, o) in enumerate(zip(views, outs)):
-            assert_same_bits(o, cpu[r], f"outputs[{r}], n={count}")
+            assert_same_bits(o, expected, f"outputs[{r}], n={count}")
             assert_same_bits(v, inputs[r], f"input {r} out of place, n={count}")
 
         blocks = random_inputs(nranks, count * nranks, dtype, op, generator=g)
-        views = _offset_views(count * nranks, dtype, aligned)
-        outs = _offset_views(count, dtype, flipped)
+        views = _offset_views(count * nranks, dtype, aligned, device)
+        outs = _offset_views(count, dtype, flipped, device)
         for v, x in zip(views, blocks):
             v.copy_(x)
         ringreduce.reduce_scatter(views, outs, op=op)
         for r, (o, want) in enumerate(zip(outs, reduce_scatter_model(blocks, op))):
             assert_same_bits(o, want, f"reduce_scatter outputs[{r}], n={count}")
 
-        views = _offset_views(count, dtype, aligned)
-        outs = _offset_views(count * nranks, dtype, flipped)
+        views = _offset_views(count, dtype, aligned, device)
+        outs = _offset_views(count * nranks, dtype, flipped, device)
         for v, x in zip(views, inputs):
             v.copy_(x)
         ringreduce.all_gather(views, outs)

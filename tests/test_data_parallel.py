@@ -16,9 +16,9 @@ import ringreduce
 from ringreduce import comm
 from ringreduce.train.trainers import WrappedTrainer, WrapperUnavailable
 
+from checks import needs_cuda
+
 CPU = torch.device("cpu")
-needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(),
-                                reason="needs a CUDA GPU (none in this environment)")
 needs_two_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2,
                                     reason="nn.DataParallel needs two distinct GPUs "
                                            f"({torch.cuda.device_count()} visible)")

@@ -19,9 +19,9 @@ import torch
 import torch.distributed as dist
 
 import ringreduce
-from checks import needs_cuda, sleep_cycles
+from checks import needs_cuda, segments_of, sleep_cycles
 from reference import ALL_DTYPES, _combine, random_inputs, ring_model, valid_ops
-from test_distributed import _shm_names, init, run_ranks, values
+from test_distributed import init, run_ranks, values
 
 # Every rank shares cuda:0. Skips without a GPU or a CUDA build; fails instead under
 # RINGREDUCE_REQUIRE_CUDA=1.
@@ -134,12 +134,12 @@ def _sweep(rank, world, store):
 @pytest.mark.parametrize("asynchronous", ["1", "0"])
 @pytest.mark.parametrize("world", [2, 4])
 def test_collectives_bitwise(tmp_path, world, asynchronous):
-    before = _shm_names()
     env = dict(SMALL_STAGING, RINGREDUCE_ASYNC=asynchronous)
-    for checked, teardown_s in values(run_ranks(_sweep, world, tmp_path, env=env)):
+    results = run_ranks(_sweep, world, tmp_path, env=env)
+    for checked, teardown_s in values(results):
         assert checked > 0
         assert teardown_s < 5.0, f"destroy_process_group took {teardown_s:.1f} s"
-    assert _shm_names() <= before, f"left in /dev/shm: {_shm_names() - before}"
+    assert not segments_of(results.pids), f"left in /dev/shm: {segments_of(results.pids)}"
 
 
 def _allocator_churn(rank, world, store, conf):
@@ -255,7 +255,6 @@ def test_killed_rank_fails_the_others(tmp_path, world, victim, how):
     """A rank killed (SIGKILL, or os._exit) right after queuing collectives: every other rank's
     next collective raises within the timeout, naming the dead rank."""
     victim = 0 if victim == "first" else world - 1
-    before = _shm_names()
     results = run_ranks(_killed_mid_collective, world, tmp_path, victim, how,
                         env={"RINGREDUCE_CUDA_BUFFER_BYTES": str(1 << 20)})
     assert results[victim][0] == "died", results[victim]
@@ -268,7 +267,7 @@ def test_killed_rank_fails_the_others(tmp_path, world, victim, how):
         assert "all_reduce" in msg and f"rank {victim}" in msg, msg
         assert elapsed < FAULT_TIMEOUT + 2.0, f"took {elapsed:.1f} s: {msg}"
         assert teardown_s < 5.0, f"destroy_process_group took {teardown_s:.1f} s"
-    assert _shm_names() <= before, f"left in /dev/shm: {_shm_names() - before}"
+    assert not segments_of(results.pids), f"left in /dev/shm: {segments_of(results.pids)}"
 
 
 def _async_wait(rank, world, store):

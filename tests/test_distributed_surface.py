@@ -10,7 +10,6 @@ shared-memory staging area (RINGREDUCE_SHM_BYTES, 8 KiB here), so the collective
 and messages stream through the point-to-point rings in pieces. GPU variants run every rank on
 cuda:0 and skip without a GPU.
 """
-import glob
 import os
 import signal
 import time
@@ -19,7 +18,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from test_distributed import NEEDS_GPU, _small_net, init, run_ranks, values
+from checks import needs_cuda, segments_of, small_net
+from test_distributed import init, run_ranks, values
 
 SHM_BYTES = 8192
 SHM_ENV = {"RINGREDUCE_SHM_BYTES": str(SHM_BYTES)}
@@ -27,9 +27,9 @@ BIG = SHM_BYTES + 5  # elements: more bytes than the staging area, whatever the 
 SIZES = (0, 1, 7, 1000, BIG)
 BYTE_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int8,
                torch.uint8, torch.int16, torch.int32, torch.int64, torch.bool, torch.complex64)
-# What gloo (torch 2.13) refuses with "Invalid scalar type"; everything else is compared.
-GLOO_REFUSES = {"gather": {torch.int16, torch.complex64}, "scatter": {torch.int16},
-                "all_to_all": {torch.int16}}
+# Which dtypes gloo refuses ("Invalid scalar type": int16 and complex64 in torch 2.13) differs
+# between torch releases; every rank probes its gloo (_gloo_refusals), and the results are
+# compared with gloo's wherever it accepts the dtype.
 
 
 def payload(src, dst, count, dtype, call):
@@ -66,12 +66,6 @@ def split(src, dst, count):
     return count * (1 + (src + 2 * dst) % 3) // 2
 
 
-def segments_of(pids):
-    """The /dev/shm segments created by these processes (other tests run beside this one)."""
-    return [n for n in glob.glob("/dev/shm/ringreduce-*")
-            if any(f"ringreduce-{pid}-" in n for pid in pids)]
-
-
 class Checker:
     """Counts exact comparisons and names the failing one."""
 
@@ -84,9 +78,33 @@ class Checker:
         self.count += 1
 
 
+def _gloo_refusals(gloo, rank, world):
+    """{"gather"|"scatter"|"all_to_all": dtypes this torch's gloo refuses}, from one tiny call
+    of each per dtype (gloo checks the dtype on every rank before it communicates)."""
+    calls = {
+        "gather": lambda t: dist.gather(t, [t.clone() for _ in range(world)] if rank == 0
+                                        else None, dst=0, group=gloo),
+        "scatter": lambda t: dist.scatter(t, [t.clone() for _ in range(world)] if rank == 0
+                                          else None, src=0, group=gloo),
+        "all_to_all": lambda t: dist.all_to_all_single(t.repeat(world), t.repeat(world),
+                                                       group=gloo),
+    }
+    refused = {kind: set() for kind in calls}
+    for kind, call in calls.items():
+        for dtype in BYTE_DTYPES:
+            try:
+                call(torch.zeros(1, dtype=dtype))
+            except RuntimeError as exc:
+                if "Invalid scalar type" not in str(exc):
+                    raise
+                refused[kind].add(dtype)
+    return refused
+
+
 def _byte_collectives(rank, world, store, device):
     init(rank, world, store)
     gloo = dist.new_group(backend="gloo")
+    refuses = _gloo_refusals(gloo, rank, world)
     check = Checker()
     call = 0
     for dtype in BYTE_DTYPES:
@@ -103,7 +121,7 @@ def _byte_collectives(rank, world, store, device):
                 if rank == root:
                     for r in range(world):
                         check(gathered[r], expect[r], f"gather from {r} to root {root} {tag}")
-                if dtype not in GLOO_REFUSES["gather"] and count in (7, BIG):
+                if dtype not in refuses["gather"] and count in (7, BIG):
                     ref = [poison(e) for e in expect] if rank == root else None
                     dist.gather(mine, ref, dst=root, group=gloo)
                     for r in range(world if rank == root else 0):
@@ -114,7 +132,7 @@ def _byte_collectives(rank, world, store, device):
                 dist.scatter(out, [p.to(device) for p in pieces] if rank == root else None,
                              src=root)
                 check(out, pieces[rank], f"scatter from root {root} {tag}")
-                if dtype not in GLOO_REFUSES["scatter"] and count in (7, BIG):
+                if dtype not in refuses["scatter"] and count in (7, BIG):
                     ref = poison(pieces[rank])
                     dist.scatter(ref, pieces if rank == root else None, src=root, group=gloo)
                     check(out, ref, f"scatter differs from gloo's {tag}")
@@ -135,7 +153,7 @@ def _byte_collectives(rank, world, store, device):
                 dist.all_to_all(outs, [t.to(device) for t in ins])
                 for p in range(world):
                     check(outs[p], expect[p], f"all_to_all from {p} uneven={uneven} {tag}")
-                if dtype not in GLOO_REFUSES["all_to_all"] and count in (7, BIG):
+                if dtype not in refuses["all_to_all"] and count in (7, BIG):
                     ref = poison(torch.cat(expect))
                     dist.all_to_all_single(ref, torch.cat(ins), **splits, group=gloo)
                     check(out, ref, f"all_to_all_single differs from gloo's {tag}")
@@ -160,16 +178,16 @@ def _byte_collectives(rank, world, store, device):
     dist.all_to_all_single(out, ins.to(device), [split(p, rank, 5) for p in range(world)], rows)
     check(out, expect, "all_to_all_single with rows of 3")
     dist.destroy_process_group()
-    return check.count, os.getpid()
+    return check.count, os.getpid(), refuses
 
 
-def _expected_checks(world):
+def _expected_checks(world, gloo_refuses):
     """The comparisons _byte_collectives makes on each rank (each rank is root once)."""
     n = 1
     for dtype in BYTE_DTYPES:
         for count in SIZES:
             gloo = {k: dtype not in refused and count in (7, BIG)
-                    for k, refused in GLOO_REFUSES.items()}
+                    for k, refused in gloo_refuses.items()}
             n += world * (2 + gloo["scatter"]) + world * (1 + gloo["gather"])
             n += 2 * (1 + world + gloo["all_to_all"]) + 1
     return n
@@ -179,17 +197,19 @@ def _expected_checks(world):
 def test_byte_collectives_cpu(tmp_path, world, engine):
     """engine "0": RINGREDUCE_ASYNC=0, collectives inline in the caller's thread."""
     env = dict(SHM_ENV, RINGREDUCE_ASYNC=engine)
-    counts, pids = zip(*values(run_ranks(_byte_collectives, world, tmp_path, "cpu", env=env)))
-    assert counts == (_expected_checks(world),) * world
+    counts, pids, refuses = zip(*values(run_ranks(_byte_collectives, world, tmp_path, "cpu",
+                                                  env=env)))
+    assert all(r == refuses[0] for r in refuses), f"ranks' gloo refuses differently: {refuses}"
+    assert counts == (_expected_checks(world, refuses[0]),) * world
     assert not segments_of(pids), f"left in /dev/shm: {segments_of(pids)}"
 
 
-@NEEDS_GPU
+@needs_cuda
 @pytest.mark.parametrize("world", [2, 3])
 def test_byte_collectives_cuda_shared_gpu(tmp_path, world):
-    counts, _ = zip(*values(run_ranks(_byte_collectives, world, tmp_path, "cuda:0",
-                                      env=SHM_ENV)))
-    assert counts == (_expected_checks(world),) * world
+    counts, _, refuses = zip(*values(run_ranks(_byte_collectives, world, tmp_path, "cuda:0",
+                                               env=SHM_ENV)))
+    assert counts == (_expected_checks(world, refuses[0]),) * world
 
 
 # ---------------------------------------------------------------------------------------
@@ -277,7 +297,7 @@ def _p2p_patterns(rank, world, store, device):
     return check.count
 
 
-@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda:0", marks=NEEDS_GPU)])
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda:0", marks=needs_cuda)])
 def test_p2p_patterns_do_not_deadlock(tmp_path, device):
     for n in values(run_ranks(_p2p_patterns, 2, tmp_path, device, env=SHM_ENV)):
         assert n >= 12
@@ -321,7 +341,7 @@ def _noncontiguous(rank, world, store, device):
     return check.count
 
 
-@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda:0", marks=NEEDS_GPU)])
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda:0", marks=needs_cuda)])
 def test_noncontiguous_tensors(tmp_path, device):
     assert values(run_ranks(_noncontiguous, 2, tmp_path, device)) == [5, 3]
 
@@ -414,10 +434,10 @@ def _checkpoint(rank, world, store, path):
 
     init(rank, world, store)
     torch.manual_seed(0)
-    model = _small_net()
+    model = small_net()
     dcp.save({"model": model.state_dict()}, checkpoint_id=path)
     torch.manual_seed(100 + rank)
-    fresh = _small_net()
+    fresh = small_net()
     before = [t.clone() for t in fresh.state_dict().values()]
     state = {"model": fresh.state_dict()}
     dcp.load(state, checkpoint_id=path)

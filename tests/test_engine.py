@@ -3,14 +3,14 @@ DDP's backward, faults in and around the engine, and a soak (CPU, spawned ranks)
 import datetime
 import os
 import signal
-import threading
 import time
 
 import pytest
 import torch
 import torch.distributed as dist
 
-from test_distributed import FAULT_TIMEOUT, _shm_names, init, run_ranks, values
+from checks import fd_count, rss_kib, segments_of, thread_count
+from test_distributed import FAULT_TIMEOUT, init, run_ranks, values
 
 
 def _delayed_peer(rank, world, store):
@@ -179,7 +179,9 @@ def _engine_error(rank, world, store):
 
 
 def test_error_in_engine_fails_the_group_and_peers_fast(tmp_path):
-    (e0, t0, s0), (e1, t1, s1) = values(run_ranks(_engine_error, 2, tmp_path))
+    results = run_ranks(_engine_error, 2, tmp_path)
+    (e0, t0, s0), (e1, t1, s1) = values(results)
+    assert not segments_of(results.pids), f"left in /dev/shm: {segments_of(results.pids)}"
     for errors in (e0, e1):
         assert errors[0] and "disagree" in errors[0], errors
         assert all(e and "failed earlier" in e for e in errors[1:]), errors
@@ -208,7 +210,8 @@ def _bad_arguments(rank, world, store):
 def test_bad_arguments_raise_in_the_caller_and_leave_the_group_usable(tmp_path):
     for errors, value in values(run_ranks(_bad_arguments, 2, tmp_path)):
         assert errors[0].startswith("TypeError") and "dtype" in errors[0], errors[0]
-        assert "root" in errors[1] or "rank" in errors[1], errors[1]
+        assert errors[1].startswith("ValueError") and "broadcast: root must be in [0, 2)" in \
+            errors[1], errors[1]
         assert "output" in errors[2], errors[2]
         assert value == 2.0
 
@@ -236,7 +239,9 @@ def _abort_queued(rank, world, store):
 
 
 def test_abort_fails_queued_work_and_shutdown_returns(tmp_path):
-    (messages, waited, shut), (peer_msg, _, _) = values(run_ranks(_abort_queued, 2, tmp_path))
+    results = run_ranks(_abort_queued, 2, tmp_path)
+    (messages, waited, shut), (peer_msg, _, _) = values(results)
+    assert not segments_of(results.pids), f"left in /dev/shm: {segments_of(results.pids)}"
     assert all(m and "abort" in m for m in messages), messages
     assert waited < 2.0 and shut < 2.0, f"abort took {waited:.1f} s, shutdown {shut:.1f} s"
     assert "rank 0" in peer_msg, peer_msg
@@ -255,63 +260,60 @@ def _killed_during_async(rank, world, store):
 
 def test_dead_peer_fails_every_queued_work_on_every_survivor(tmp_path):
     world = 3
-    before = _shm_names()
     results = run_ranks(_killed_during_async, world, tmp_path)
     assert results[world - 1][0] == "died"
     for rank in range(world - 1):
         status, (messages, elapsed) = results[rank]
         assert status == "ok"
-        assert messages[0] and "all_reduce" in messages[0] and f"rank {world - 1}" in messages[0]
-        assert "exited" in messages[0] or f"rank {world - 1}" in messages[0], messages[0]
+        first = messages[0]
+        assert first and "all_reduce" in first and f"rank {world - 1}" in first, first
+        # died, not timed out: FAULT_TIMEOUT is longer than the 2 s bound below
+        assert "exited" in first and "timed out" not in first, first
         assert all(m for m in messages[1:]), messages
         assert elapsed < 2.0, f"rank {rank} noticed the dead peer after {elapsed:.1f} s"
-    assert _shm_names() <= before
+    assert not segments_of(results.pids), f"left in /dev/shm: {segments_of(results.pids)}"
 
 
-def _fds():
-    return len(os.listdir("/proc/self/fd"))
-
-
-def _rss_kib():
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1])
-    return 0
-
-
-def _soak(rank, world, store, total):
+def _soak(rank, world, store, rounds, every):
+    """`rounds` rounds of 9 collectives (8 async all-reduces then a wait, and a broadcast);
+    (rounds done, resident KiB, open fds) sampled every `every` rounds and at the end, and the
+    process's threads (/proc/self/task: the engine's C++ threads too) before init_process_group
+    and after destroy_process_group."""
+    threads0 = thread_count()
     init(rank, world, store)
     t = torch.ones(64)
-    threads0 = threading.active_count()
     samples = []
-    done = 0
-    while done < total:
-        if done % (total // 4) == 0:
-            samples.append((done, _rss_kib(), _fds()))
-        # Batches of async all-reduces then a wait, and sync calls of other kinds.
+    for i in range(rounds):
+        if i % every == 0:
+            samples.append((i, rss_kib(), fd_count()))
         works = [dist.all_reduce(t, async_op=True) for _ in range(8)]
         for w in works:
             w.wait()
-        dist.broadcast(t, src=done % world)
-        done += 9
+        dist.broadcast(t, src=i % world)
     t.fill_(1.0)
     dist.all_reduce(t)
-    samples.append((done, _rss_kib(), _fds()))
-    threads = threading.active_count()
+    samples.append((rounds, rss_kib(), fd_count()))
     dist.destroy_process_group()
-    return samples, threads0, threads, float(t[0])
+    return samples, threads0, thread_count(), float(t[0])
 
 
-def test_soak_flat_memory_and_descriptors(tmp_path):
-    """10^4 collectives: resident memory and open file descriptors stay flat."""
-    total = 10_000
-    for samples, threads0, threads, value in values(run_ranks(_soak, 2, tmp_path, total)):
+SOAK_ROUNDS, SOAK_EVERY = 1112, 139  # 10^4 collectives, 9 samples (8 in the loop, one after)
+SOAK_RSS_KIB = 8 * 1024  # allowed growth after the first sample (allocator and import warm-up)
+
+
+def test_soak_flat_memory_descriptors_and_threads(tmp_path):
+    """10^4 collectives: after the first sample (warm-up) open file descriptors do not change
+    and resident memory grows by less than SOAK_RSS_KIB; destroy_process_group leaves as many
+    threads as there were before init_process_group."""
+    for samples, threads0, threads, value in values(
+            run_ranks(_soak, 2, tmp_path, SOAK_ROUNDS, SOAK_EVERY)):
         assert value == 2.0
-        assert threads == threads0, "the engine leaked threads"
-        (_, rss_first, fds_first), (_, rss_last, fds_last) = samples[1], samples[-1]
-        assert fds_last == fds_first, f"open fds grew: {samples}"
-        assert rss_last - rss_first < 16 * 1024, f"memory grew: {samples}"
+        assert len(samples) == SOAK_ROUNDS // SOAK_EVERY + 1, samples
+        assert threads == threads0, f"{threads} threads after destroy, {threads0} before init"
+        steady = samples[1:]
+        assert len({fds for _, _, fds in steady}) == 1, f"open fds changed: {samples}"
+        growth = max(rss for _, rss, _ in steady) - steady[0][1]
+        assert growth < SOAK_RSS_KIB, f"memory grew by {growth} KiB: {samples}"
 
 
 def _groups(rank, world, store):

@@ -13,15 +13,13 @@ The GPU's memory model (fences, L1) and the cooperative launch need a GPU.
 """
 import os
 import re
-import shutil
 import subprocess
 import sys
 
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-CSRC = os.path.join(ROOT, "csrc")
-CXX = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
+from fake_cuda.build import CSRC, CXX, ROOT, compile_program
+
 SOURCES = [os.path.join(ROOT, "tests", "fused_driver.cpp"),
            os.path.join(CSRC, "ring", "cpu_executor.cpp")]
 DTYPES = ["float32", "float16", "int32", "float64", "int8"]
@@ -32,8 +30,7 @@ pytestmark = pytest.mark.skipif(CXX is None or not sys.platform.startswith("linu
 
 
 def build(path, flags):
-    return subprocess.run([CXX, "-std=c++17", *flags, "-pthread", "-I", CSRC, *SOURCES, "-o",
-                           str(path)], capture_output=True, text=True, timeout=300)
+    return compile_program(path, SOURCES, flags)
 
 
 def run(exe, *args, env=None, timeout=300):

@@ -18,9 +18,10 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from reference import ALL_DTYPES, _combine, assert_close_to_wide, random_inputs, valid_ops
+from reference import ALL_DTYPES, _combine, _int_avg, assert_close_to_wide, random_inputs, valid_ops
 from ringreduce import hierarchy
 from ringreduce.distributed import comm_of
+from checks import communicate_bounded, ddp_steps, free_port
 from test_distributed import init, run_ranks, values
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -33,7 +34,8 @@ _SEGMENT = re.compile(r"/dev/shm/ringreduce-(\d+)-[0-9a-f]+-h(\d+)-r(\d+)")
 def hierarchical_model(inputs, op, hosts):
     """The value every rank must hold, bit for bit: each host reduces its ranks' inputs in local
     order (the shared-memory reduce-scatter's hops, avg as sum), then the host partials are
-    combined in host order in fp32 for 16-bit floats, rounded once (avg divides there)."""
+    combined in host order in fp32 for 16-bit floats, rounded once (avg divides there).
+    Computed here from reference.py's one-hop combine, independently of ringreduce.hierarchy."""
     dtype = inputs[0].dtype
     partials = []
     for ranks in hosts:
@@ -41,9 +43,13 @@ def hierarchical_model(inputs, op, hosts):
         for r in ranks[1:]:
             acc = _combine("sum" if op == "avg" else op, acc, inputs[r], dtype, False, len(ranks))
         partials.append(acc)
-    out = torch.empty_like(partials[0])
-    hierarchy.fold(torch.stack(partials), op, len(inputs), out)
-    return out
+    wide = torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
+    acc = partials[0].to(wide)
+    for part in partials[1:]:
+        acc = _combine("sum" if op == "avg" else op, acc, part.to(wide), wide, False, len(inputs))
+    if op == "avg":
+        acc = acc / len(inputs) if wide.is_floating_point else _int_avg(acc, len(inputs))
+    return acc.to(dtype)
 
 
 def _reduce_op(op):
@@ -89,26 +95,8 @@ def _all_reduce_sweep(rank, world, hosts, dtypes, sizes, seed, extra=()):
     return problems, digest.hexdigest()
 
 
-def _small_net():
-    return torch.nn.Sequential(
-        torch.nn.Conv2d(1, 4, 3, padding=1), torch.nn.BatchNorm2d(4), torch.nn.ReLU(),
-        torch.nn.Flatten(), torch.nn.Linear(4 * 6 * 6, 5))
-
-
 def _ddp(rank, group, steps=4):
-    torch.manual_seed(1234 + rank)  # different initial weights: DDP must broadcast rank 0's
-    model = _small_net()
-    ddp = torch.nn.parallel.DistributedDataParallel(model, process_group=group,
-                                                    bucket_cap_mb=0.001)
-    opt = torch.optim.SGD(ddp.parameters(), lr=0.1, momentum=0.9)
-    g = torch.Generator().manual_seed(99 + rank)
-    for _ in range(steps):
-        x = torch.randn(8, 1, 6, 6, generator=g)
-        y = torch.randint(0, 5, (8,), generator=g)
-        opt.zero_grad()
-        torch.nn.functional.cross_entropy(ddp(x), y).backward()
-        opt.step()
-    return [p.detach().clone() for p in model.parameters()]
+    return [p.detach().clone() for p in ddp_steps(rank, group, steps=steps).parameters()]
 
 
 # ---------------------------------------------------------------------------------------
@@ -433,14 +421,8 @@ def test_node_that_never_joins_is_named(tmp_path):
 # ---------------------------------------------------------------------------------------
 # Two torchrun launchers (--nnodes 2 --nproc_per_node 2), rendezvous on 127.0.0.1.
 
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_two_torchrun_launchers(tmp_path):
-    port = _free_port()
+    port = free_port()
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join(
         [os.path.dirname(HERE), HERE, os.environ.get("PYTHONPATH", "")]))
     env.pop("RINGREDUCE_HOST_ID", None)
@@ -448,16 +430,12 @@ def test_two_torchrun_launchers(tmp_path):
         [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc_per_node", "2",
          "--node_rank", str(node), "--master_addr", "127.0.0.1", "--master_port", str(port),
          os.path.join(HERE, "multihost_worker.py"), str(tmp_path)],
-        env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        start_new_session=True)
         for node in (0, 1)]
-    logs = []
-    for p in launchers:
-        try:
-            logs.append(p.communicate(timeout=150)[0])
-        except subprocess.TimeoutExpired:
-            p.kill()
-            logs.append(p.communicate()[0])
+    logs = [communicate_bounded(p, 150) for p in launchers]
     assert all(p.returncode == 0 for p in launchers), "\n".join(logs)[-6000:]
     reports = sorted(f.read_text() for f in tmp_path.glob("rank*.txt"))
     assert len(reports) == 4, reports
     assert len(set(reports)) == 1, reports
+    assert "problems []\n" in reports[0], reports[0]

@@ -1,5 +1,6 @@
 """RINGREDUCE_NCCL_LIB, another libnccl than torch's, on CPU: fake libnccl.so.2 files built here
-with the C compiler (ncclGetVersion and ncclGetErrorString only) stand for the real one.
+with the C compiler (ncclGetVersion and ncclGetErrorString, and on a CUDA torch stubs of the
+other nccl functions torch imports) stand for the real one.
 
 Everything that loads a fake library runs in a child process, so that no fake libnccl stays
 mapped in the test process, where load_libnccl() and torch_nccl_library() would find it later.
@@ -29,12 +30,34 @@ const char *ncclGetErrorString(int result) { return result ? "fake error" : "no 
 """
 
 
-def build_fake(folder, version=None, soname="libnccl.so.2"):
+def torch_nccl_imports():
+    """The nccl* functions torch's own libraries import. A CUDA build of torch does not load
+    with a preloaded libnccl.so.2 that lacks one of them (`undefined symbol: ncclRecv`), so the
+    fakes define them all as stubs; a CPU build imports none."""
+    import torch
+
+    if torch.version.cuda is None:
+        return set()
+    nm = shutil.which("nm")
+    if nm is None:
+        pytest.skip("a CUDA torch needs the fake libnccl to define its nccl imports; no nm")
+    names = set()
+    for lib in Path(torch.__file__).parent.joinpath("lib").glob("libtorch*.so"):
+        out = subprocess.run([nm, "-D", "--undefined-only", str(lib)], capture_output=True,
+                             text=True, timeout=CHILD_TIMEOUT_S, check=True).stdout
+        names.update(w for line in out.splitlines() for w in line.split()[-1:]
+                     if w.startswith("nccl"))
+    return names - {"ncclGetVersion", "ncclGetErrorString"}
+
+
+def build_fake(folder, version=None, soname="libnccl.so.2", stubs=()):
     """A shared library named `soname` in `folder`; with `version` it exports ncclGetVersion
-    returning that code (major*10000 + minor*100 + patch)."""
+    returning that code (major*10000 + minor*100 + patch). `stubs`: more functions, each
+    returning ncclInvalidUsage (5)."""
     folder.mkdir(parents=True, exist_ok=True)
     src = folder / "fake.c"
-    src.write_text(FAKE_NCCL_C)
+    src.write_text(FAKE_NCCL_C + "".join(f"int {name}(void) {{ return 5; }}\n"
+                                         for name in sorted(stubs)))
     out = folder / soname
     flags = [] if version is None else [f"-DFAKE_VERSION={version}"]
     subprocess.run([CC, "-shared", "-fPIC", *flags, f"-Wl,-soname,{soname}", "-o", str(out),
@@ -47,9 +70,10 @@ def fakes(tmp_path_factory):
     if CC is None:
         pytest.skip("no C compiler (cc or gcc) to build the fake libnccl.so.2")
     root = tmp_path_factory.mktemp("fake_nccl")
-    return {"new": build_fake(root / "new", 23102),
-            "old": build_fake(root / "old", 22703),
-            "noversion": build_fake(root / "noversion"),
+    stubs = torch_nccl_imports()
+    return {"new": build_fake(root / "new", 23102, stubs=stubs),
+            "old": build_fake(root / "old", 22703, stubs=stubs),
+            "noversion": build_fake(root / "noversion", stubs=stubs),
             "other": build_fake(root / "other", soname="libother.so")}
 
 
@@ -126,7 +150,9 @@ def test_preload_reexecutes_once_with_the_library_first(fakes):
     got = last_json(res)
     assert res.stdout.count("START") == 2
     assert got["LD_PRELOAD"] == f"{fakes['new']}:{fakes['other']}"
-    assert got["mapped"] == [fakes["new"]]
+    # A CUDA torch maps its own bundled libnccl too (by path, beside the preloaded one).
+    assert fakes["new"] in got["mapped"], got["mapped"]
+    assert all(m == fakes["new"] or _torch_bundled(m) for m in got["mapped"]), got["mapped"]
     assert got["argv"] == ["a", "--b"]
     assert got["new"] == {"version": "2.31.2", "path": fakes["new"],
                           "origin": "from RINGREDUCE_NCCL_LIB"}
@@ -134,11 +160,19 @@ def test_preload_reexecutes_once_with_the_library_first(fakes):
     assert got["old_mismatch"].startswith(f"{NCCL_LIB_ENV}={fakes['new']} is not what runs here")
 
 
+def _torch_bundled(path):
+    """A libnccl that torch's own wheels bring (nvidia-nccl beside torch in site-packages)."""
+    import torch
+
+    return path.startswith(os.path.dirname(os.path.dirname(torch.__file__)) + os.sep)
+
+
 def test_preload_does_nothing_without_the_variable():
     res = run_python(PRELOAD)
     got = last_json(res)
     assert res.stdout.count("START") == 1
-    assert got["LD_PRELOAD"] is None and got["mapped"] == []
+    assert got["LD_PRELOAD"] is None
+    assert all(_torch_bundled(m) for m in got["mapped"]), got["mapped"]
     assert got["old_mismatch"] is None
 
 

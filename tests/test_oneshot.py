@@ -10,15 +10,12 @@ where two NaNs met in a sum, average or product (see the driver). The GPU's own 
 """
 import os
 import re
-import shutil
 import subprocess
 import sys
 
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-CSRC = os.path.join(ROOT, "csrc")
-CXX = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
+from fake_cuda.build import CSRC, CXX, ROOT, compile_program
 
 pytestmark = pytest.mark.skipif(CXX is None or not sys.platform.startswith("linux"),
                                 reason="needs a C++ compiler on Linux")
@@ -36,8 +33,7 @@ def driver(tmp_path_factory):
     sources = [os.path.join(ROOT, "tests", "oneshot_driver.cpp"),
                os.path.join(CSRC, "ring", "oneshot_cpu.cpp"),
                os.path.join(CSRC, "ring", "cpu_executor.cpp")]
-    proc = subprocess.run([CXX, "-std=c++17", "-O2", "-Wall", "-Werror", "-I", CSRC, *sources,
-                           "-o", str(exe)], capture_output=True, text=True, timeout=300)
+    proc = compile_program(exe, sources, ["-O2", "-Wall", "-Werror"])
     assert proc.returncode == 0, proc.stdout + proc.stderr
     return str(exe)
 

@@ -25,9 +25,9 @@ from ringreduce.train.trainers import (NcclUnavailable, ReplicaTrainer, bucket_i
                                        make_all_reduce, naive_all_reduce, nccl_skip_reason,
                                        parse_devices)
 
+from checks import load_module, needs_cuda
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(),
-                                reason="needs a CUDA GPU (none in this environment)")
 
 
 # ---------------------------------------------------------------- model
@@ -279,6 +279,7 @@ def test_ring_training_matches_full_batch_single_replica(nranks, batch):
     # shards (3, 2, 2), covered by scaling each replica's summed loss by the full batch size.
     torch.manual_seed(0)
     model = resnet18(1, 10).double().eval()
+    initial = [p.detach().clone() for p in model.parameters()]
     dp = ReplicaTrainer(model, [torch.device("cpu")] * nranks, "ring", lr=0.05, momentum=0.9)
     dp.eval()
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
@@ -288,9 +289,9 @@ def test_ring_training_matches_full_batch_single_replica(nranks, batch):
         assert torch.allclose(loss, ref_loss, rtol=1e-12, atol=0)
         assert_replicas_identical(dp)
     assert_params_close(model, dp, rtol=1e-9, atol=1e-12)
-    moved = max((p - q).abs().max().item() for p, q in
-                zip(resnet18(1, 10).parameters(), model.parameters()))
-    assert moved > 0  # a run that left the parameters alone would pass vacuously
+    # a run that left the parameters alone would pass vacuously
+    moved = [not torch.equal(p, q) for p, q in zip(initial, dp.replicas[0].parameters())]
+    assert sum(moved) > len(moved) // 2, f"only {sum(moved)} of {len(moved)} parameters moved"
 
 
 def test_ring_training_with_batchnorm_statistics_per_replica():
@@ -540,13 +541,7 @@ def test_cli_explains_refusals(tmp_path):
 # ---------------------------------------------------------------- benchmark
 
 def load_bench():
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("bench_resnet18",
-                                                  os.path.join(REPO, "bench", "resnet18.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_module("bench_resnet18", os.path.join(REPO, "bench", "resnet18.py"))
 
 
 def test_bench_checks_catch_wrong_results():

@@ -1,5 +1,6 @@
-"""Builds a driver program from csrc sources and a fake CUDA runtime with the host compiler
-(tests/test_cuda_protocol.py, tests/test_cuda_lanes.py)."""
+"""Builds the C++ test drivers with the host compiler: `build` with a fake CUDA runtime
+(tests/test_cuda_protocol.py, test_cuda_lanes.py, test_step_kernel.py, test_launch_geometry.py),
+`compile_program` without one (tests/test_fused.py, test_oneshot.py)."""
 import os
 import shutil
 import subprocess
@@ -8,6 +9,13 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 CSRC = os.path.join(ROOT, "csrc")
 FAKE = os.path.join(ROOT, "tests", "fake_cuda")
 CXX = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
+
+
+def compile_program(exe, sources, flags):
+    """One compiler call: `sources` (paths) with `flags` into the executable `exe`, csrc/ on the
+    include path; returns the CompletedProcess (the caller decides whether a failure skips)."""
+    return subprocess.run([CXX, "-std=c++17", *flags, "-pthread", "-I", CSRC, *sources, "-o",
+                           str(exe)], capture_output=True, text=True, timeout=600)
 
 
 def build(out, name, sources):

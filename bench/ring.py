@@ -123,6 +123,7 @@ class Impl:
     describe: str
     run: object                      # callable(list[Tensor]) -> None, in place
     close: object = None
+    prepare: object = None           # callable(every buffer set of a size), untimed, before run
 
 
 @dataclass
@@ -337,18 +338,28 @@ def run_ringreduce(tensors: list[torch.Tensor], op: str) -> None:
 
 
 class GraphedRingreduce:
-    """ringreduce.all_reduce captured in a CUDA graph once per buffer set, then replayed: the
-    time per call without the host's launch cost. The first call of a set runs it once eagerly
-    (warm-up, outside the capture), restores the inputs, captures, and replays."""
+    """ringreduce.all_reduce captured in a CUDA graph per buffer set, then replayed: the time
+    per call without the host's launch cost. prepare(sets), untimed, captures every buffer set
+    of a size (each first runs once eagerly outside the capture, as warm-up, then its inputs
+    are restored); calls only replay, so the timed loop never times a capture. A graph is keyed
+    on everything it baked in (pointers, element count, dtype, devices, op), and prepare drops
+    the graphs of earlier sizes, whose buffers are freed: the caching allocator hands the next
+    size the same blocks, and a graph keyed on pointers alone would replay the old count."""
 
     def __init__(self, op: str):
         self._op = op
         self._graphs = {}
 
-    def __call__(self, tensors: list[torch.Tensor]) -> None:
-        key = tuple(t.data_ptr() for t in tensors)
-        graph = self._graphs.get(key)
-        if graph is None:
+    def _key(self, tensors: list[torch.Tensor]) -> tuple:
+        return (self._op,) + tuple((t.data_ptr(), t.numel(), t.dtype, t.device)
+                                   for t in tensors)
+
+    def prepare(self, sets: list[list[torch.Tensor]]) -> None:
+        self._graphs = {}
+        for tensors in sets:
+            key = self._key(tensors)
+            if key in self._graphs:
+                continue
             saved = [t.clone() for t in tensors]
             side = torch.cuda.Stream()
             side.wait_stream(torch.cuda.current_stream())
@@ -361,6 +372,12 @@ class GraphedRingreduce:
             with torch.cuda.graph(graph):
                 run_ringreduce(tensors, self._op)
             self._graphs[key] = graph
+
+    def __call__(self, tensors: list[torch.Tensor]) -> None:
+        graph = self._graphs.get(self._key(tensors))
+        if graph is None:
+            raise RuntimeError("ringreduce-graph: this buffer set was not captured by prepare() "
+                               "(captures happen before timing, never inside the timed loop)")
         graph.replay()
 
 
@@ -562,6 +579,8 @@ def measure_size(cfg: Config, impls: list[Impl], size: int, cache_bytes: int,
         try:
             for dst, src in zip(sets[0], inputs):
                 dst.copy_(src)
+            if impl.prepare is not None:
+                impl.prepare(sets)
             impl.run(sets[0])
             _sync(cfg)
             wrong = count_wrong(sets[0], ref)
@@ -784,8 +803,10 @@ def main(argv=None, out=None) -> int:
         unavailable["nccl"] = why_not
     if args.graph:
         if cfg.device == "cuda" and cfg.one_gpu:
+            graphed = GraphedRingreduce(cfg.op)
             impls.append(Impl("ringreduce-graph", "ringreduce.all_reduce captured in a CUDA "
-                              "graph per buffer set and replayed", GraphedRingreduce(cfg.op)))
+                              "graph per buffer set (before timing) and replayed", graphed,
+                              prepare=graphed.prepare))
         else:
             unavailable["ringreduce-graph"] = Unavailable(
                 "ringreduce-graph", "needs ranks on one GPU",

@@ -23,6 +23,7 @@
 #include "ring/cuda_executor.h"
 #include "ring/fused_cuda.h"
 #include "ring/oneshot_cuda.h"
+#include "ring/peer_memo.h"
 #endif
 
 
@@ -288,6 +289,9 @@ std::vector<std::string> execute(const rr::Plan& plan, rr::DType dtype, rr::Op o
     return {};
   }
 #ifdef RINGREDUCE_WITH_CUDA
+  // Like the CPU branch: nothing below touches Python objects, and other Python threads (a
+  // data loader, another stream's collective) must run while this one launches and waits.
+  pybind11::gil_scoped_release no_gil;
   // Restores the caller's device without creating a context on a device it never used.
   c10::cuda::CUDAGuard device_guard(ranks[0].device());
   // Lanes: the distinct (device, stream) pairs; ranks on one device with distinct streams are
@@ -308,18 +312,17 @@ std::vector<std::string> execute(const rr::Plan& plan, rr::DType dtype, rr::Op o
   // Direct reads of the predecessor need peer access, enabled through torch so that its
   // allocator also maps expandable segments / memory pools for the peer. The executor asks for
   // it per pair of devices only after refusing a capture (cuda_executor.h). A pair whose access
-  // cannot be enabled (get_p2p_access says no, or raises) is staged, and reported.
+  // cannot be enabled (get_p2p_access says no, or raises) is staged, and reported; a pair whose
+  // enabling raised once stays staged (peer_memo.h: torch would answer "allowed" next time).
   std::vector<std::string> staged;
+  static rr::PeerAccessMemo peer_memo;
   const auto peer_access = [&](int device, int peer) {
     std::string why;
-    bool ok = false;
-    try {
-      ok = at::cuda::get_p2p_access(static_cast<c10::DeviceIndex>(device),
-                                    static_cast<c10::DeviceIndex>(peer));
-    } catch (const c10::Error& e) {
-      why = e.what_without_backtrace();
-      why = ": " + why.substr(0, why.find('\n'));
-    }
+    const bool ok = peer_memo.get(device, peer, [](int d, int p) {
+      return at::cuda::get_p2p_access(static_cast<c10::DeviceIndex>(d),
+                                      static_cast<c10::DeviceIndex>(p));
+    }, &why);
+    if (!why.empty()) why = ": " + why;
     if (!ok) {
       for (int r = 0; r < nranks; ++r) {
         const int p = (r + nranks - 1) % nranks;

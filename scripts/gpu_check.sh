@@ -1,19 +1,32 @@
 #!/usr/bin/env bash
-# Everything a session with the GPU machine should run, in one device call:
-#   bash scripts/gpu_check.sh [gputests] [ring] [sweep] [train] [resnet18] [ddp] [tests]
-#   (no argument: all seven; gputests is the GPU test files, tests the whole suite; each phase
-#   fits one device call on its own; docs/GPU_SESSION.md plans a session)
-# Logs and JSON go to ./gpu-logs; after every phase they are packed into $OUT/gpu-logs.tgz with
-# a one-line-per-phase $OUT/summary.txt (the device tool brings back at most 8 files from $OUT).
+# What a session with the GPU machine runs, phase by phase, sized to the device tool's limits
+# (10 minutes a command, 30-45 minutes a session, the machine kept only ~30 s between calls):
+#   bash scripts/gpu_check.sh PHASE...      (docs/GPU_SESSION.md plans a session)
+# Phases, each small enough for one call beside the build:
+#   build     scripts/setup.sh (sm_90); skipped when this tree's csrc/ and setup.py were built
+#             already on this machine (a call made while the last one's machine is still warm)
+#   smoke     import, build_info, all_reduce on cuda:0 against a float64 reference: ring,
+#             one-shot, staged (copy) hops; 2 and 4 simulated ranks
+#   core      the list API's GPU tests (tests/test_cuda.py)
+#   backend   the torch.distributed backend on CUDA (test_distributed_cuda.py, and -k cuda of
+#             test_distributed.py and test_distributed_surface.py)
+#   review    tests/test_cuda_review.py
+#   clients   -k "cuda or graph" of test_data_parallel.py, test_train.py, test_bench_ring.py
+#   tests     the whole suite (may need more than one call: it stops at its bound)
+#   ring sweep train resnet18 ddp   the benchmarks
+# No argument: build smoke core. Every phase is bounded: by its own limit (build 420 s, smoke
+# 120 s, others PHASE_TIMEOUT, 540 s), by 120 s per test (pytest-timeout), and by what is left
+# of CALL_BUDGET (570 s from the start, under the tool's 600 s): a phase that would get less
+# than 30 s is not started and says so. Logs go to ./gpu-logs (one per phase) and after every
+# phase are packed into $OUT/gpu-logs.tgz with $OUT/summary.txt, one line per phase, so a
+# call that ends early still brings back what finished.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export out=gpu-logs
 rm -rf "$out" && mkdir -p "$out"
 back=${OUT:-}
 # RINGREDUCE_REQUIRE_CUDA: the GPU tests fail instead of skipping without a GPU or a CUDA build.
-# Every phase is bounded (PHASE_TIMEOUT seconds, and 120 s per test where pytest-timeout is
-# installed, as on the GPU machine), so a hang costs one phase, not the device call. The build
-# is for sm_90 only unless RINGREDUCE_CUDA_ARCH_LIST says otherwise (one device call builds).
+# The build is for sm_90 only unless RINGREDUCE_CUDA_ARCH_LIST says otherwise.
 # Another NCCL than torch's (which may be older than the 2.30 simulated ranks need): get the
 # nvidia-nccl-cu13 wheel's libnccl.so.2 into /tmp/nccl with scripts/nccl_wheel.sh (fetch here,
 # then one device call per piece to append it and one to unpack, while the machine is warm),
@@ -33,23 +46,36 @@ export PYTHONUNBUFFERED=1 RINGREDUCE_REQUIRE_CUDA=1 \
   NCCL_MULTI_RANK_GPU_ENABLE=${NCCL_MULTI_RANK_GPU_ENABLE:-1} \
   RINGREDUCE_CUDA_ARCH_LIST=${RINGREDUCE_CUDA_ARCH_LIST:-9.0}
 limit=${PHASE_TIMEOUT:-540}
+budget=${CALL_BUDGET:-570}
 per_test=()
 python3 -c "import pytest_timeout" 2>/dev/null && per_test=(--timeout=120)
-phases=${*:-gputests ring sweep train resnet18 ddp tests}
+phases=${*:-build smoke core}
 status=0
-run() {  # run NAME CMD...: tee the output to $out/NAME.log and remember a failure
-  local name=$1; shift
-  echo "== $name: $*" | tee "$out/$name.log"
+note() {  # note NAME TEXT: one line in the summary, packed at once
+  echo "$1: $2" | tee -a "$out/summary.txt"
+  pack
+}
+run() {  # run NAME LIMIT CMD...: tee the output to $out/NAME.log and remember a failure
+  local name=$1 cap=$2; shift 2
+  local left=$(( budget - SECONDS - 15 ))
+  if [ "$left" -lt 30 ]; then
+    status=1
+    note "$name" "not started: ${left} s left of CALL_BUDGET=${budget} s; run it in the next call"
+    return
+  fi
+  [ "$cap" -le "$left" ] || cap=$left
+  echo "== $name (bound ${cap} s): $*" | tee "$out/$name.log"
   if declare -F "$1" > /dev/null; then  # a function of this script: timeout needs a program
     set -- bash -c "$(declare -f "$1"); $1"
   fi
-  timeout "$limit" "$@" 2>&1 | tee -a "$out/$name.log"
+  timeout -k 10 "$cap" "$@" 2>&1 | tee -a "$out/$name.log"
   local rc=${PIPESTATUS[0]}
   echo "== $name exit $rc" | tee -a "$out/$name.log"
   [ "$rc" -eq 0 ] || status=1
-  echo "$name: exit $rc; $(grep -E '(passed|failed|error)(,| in )|Out of bounds|FAILED' \
-    "$out/$name.log" | tail -n 1)" >> "$out/summary.txt"
-  pack
+  local why=""
+  [ "$rc" -eq 124 ] || [ "$rc" -eq 137 ] && why=" (stopped at its ${cap} s bound)"
+  note "$name" "exit $rc$why; $(grep -E '(passed|failed|error)(,| in )|Out of bounds|FAILED' \
+    "$out/$name.log" | tail -n 1)"
 }
 pack() {  # everything so far into $OUT, so that a later phase's hang loses nothing
   [ -n "$back" ] || return 0
@@ -78,19 +104,43 @@ train() {
 { nvidia-smi; nvidia-smi --query-gpu=name,compute_mode --format=csv; date -u;
   git log -1 --oneline; python3 -c "import torch; print('torch', torch.__version__,
   'cuda', torch.version.cuda, 'nccl', torch.cuda.nccl.version())"; } > "$out/machine.log" 2>&1
-bash scripts/setup.sh > "$out/setup.log" 2>&1 || { cat "$out/setup.log"; pack; exit 1; }
+# The build, skipped when this tree's sources were built here already (the device machine
+# keeps ignored build outputs between calls while it stays warm).
+build() {
+  local want
+  want=$(cat setup.py $(find csrc -type f | sort) | sha1sum | cut -c1-40)
+  if [ "$(cat build/gpu_check.stamp 2>/dev/null)" = "$want" ] &&
+     python3 -c "import ringreduce, sys; sys.exit(not ringreduce.build_info()['cuda'])"; then
+    echo "gpu_check: build of $want is up to date; not rebuilt"
+    return 0
+  fi
+  rm -f build/gpu_check.stamp
+  bash scripts/setup.sh && mkdir -p build && echo "$want" > build/gpu_check.stamp
+}
+pytest_phase() {  # pytest_phase NAME ARGS...: one bounded pytest run
+  local name=$1; shift
+  run "$name" "$limit" python3 -m pytest -q -rs "${per_test[@]}" "$@"
+}
 for p in $phases; do
   case $p in
-    gputests) run gputests python3 -m pytest -q -rs "${per_test[@]}" tests/test_cuda.py \
-      tests/test_cuda_review.py tests/test_distributed_cuda.py tests/test_bench_ring.py ;;
-    tests) run tests python3 -m pytest -q -rs "${per_test[@]}" tests ;;
-    ring) run ring python3 bench/ring.py --graph --json "$out/ring.json" --plot "$out/ring.png" ;;
-    sweep) run sweep sweep ;;
-    train) run train train ;;
-    resnet18) run resnet18 python3 bench/resnet18.py --device cuda:0 --ranks 4 --json "$out/resnet18.json" ;;
-    ddp) run ddp python3 bench/ddp.py --device cuda --ranks 4 --json "$out/ddp.json" ;;
-    *) echo "gpu_check: unknown phase '$p' (gputests, ring, sweep, train, resnet18, ddp," \
-         "tests)" >&2
+    build) run build 420 build
+           [ -f build/gpu_check.stamp ] || { note gpu_check "no build: later phases not run"; exit 1; } ;;
+    smoke) run smoke 120 python3 scripts/gpu_smoke.py ;;
+    core) pytest_phase core tests/test_cuda.py ;;
+    backend) pytest_phase backend tests/test_distributed_cuda.py tests/test_distributed.py \
+               tests/test_distributed_surface.py -k cuda ;;
+    review) pytest_phase review tests/test_cuda_review.py ;;
+    clients) pytest_phase clients tests/test_data_parallel.py tests/test_train.py \
+               tests/test_bench_ring.py -k "cuda or graph" ;;
+    tests) pytest_phase tests tests ;;
+    ring) run ring "$limit" python3 bench/ring.py --graph --json "$out/ring.json" --plot "$out/ring.png" ;;
+    sweep) run sweep "$limit" sweep ;;
+    train) run train "$limit" train ;;
+    resnet18) run resnet18 "$limit" python3 bench/resnet18.py --device cuda:0 --ranks 4 \
+                --json "$out/resnet18.json" ;;
+    ddp) run ddp "$limit" python3 bench/ddp.py --device cuda --ranks 4 --json "$out/ddp.json" ;;
+    *) echo "gpu_check: unknown phase '$p' (build, smoke, core, backend, review, clients," \
+         "tests, ring, sweep, train, resnet18, ddp)" >&2
        exit 2 ;;
   esac
 done

@@ -354,3 +354,125 @@ def test_graph_and_path_on_cpu(tmp_path):
     data = json.loads(jpath.read_text())
     assert {row["path"] for row in data["rows"]} == {"ring"}
     assert "ringreduce-graph" in data["config"]["unavailable"]
+
+
+class _FakeGraphs:
+    """torch.cuda's stream and graph API on the CPU, enough for GraphedRingreduce: a capture
+    records ringreduce's call with its tensors (their pointers and element counts are baked
+    in, as in a real graph) and a replay runs that call again on the CPU ring."""
+
+    def __init__(self, monkeypatch):
+        self.captures = 0
+        self.recording = None
+        real = ring.run_ringreduce
+
+        def run(tensors, op):
+            if self.recording is not None:
+                self.recording.calls.append((list(tensors), op))
+            else:
+                real(tensors, op)
+
+        fake = self
+
+        class Graph:
+            def __init__(self):
+                self.calls = []
+
+            def replay(self):
+                for tensors, op in self.calls:
+                    real(tensors, op)
+
+        class Capture:
+            def __init__(self, graph):
+                self.graph = graph
+
+            def __enter__(self):
+                fake.recording = self.graph
+
+            def __exit__(self, *exc):
+                fake.recording = None
+                fake.captures += 1
+
+        class Stream:
+            def wait_stream(self, other):
+                pass
+
+        class OnStream:
+            def __init__(self, stream):
+                pass
+
+            def __enter__(self):
+                pass
+
+            def __exit__(self, *exc):
+                pass
+
+        monkeypatch.setattr(ring, "run_ringreduce", run)
+        monkeypatch.setattr(torch.cuda, "CUDAGraph", Graph)
+        monkeypatch.setattr(torch.cuda, "graph", Capture)
+        monkeypatch.setattr(torch.cuda, "Stream", Stream)
+        monkeypatch.setattr(torch.cuda, "stream", OnStream)
+        monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: Stream())
+
+
+def _sum_of(sets):
+    return torch.stack([t.double() for t in sets]).sum(0)
+
+
+def test_graph_cache_keys_on_count_not_pointers_alone(monkeypatch):
+    """The caching allocator hands the next size the same blocks: a set with the same
+    pointers and fewer elements must get its own graph, not replay the old count."""
+    _FakeGraphs(monkeypatch)
+    g = torch.Generator().manual_seed(27)
+    print("seed 27")
+    storage = [torch.rand(8, generator=g) + 0.5 for _ in range(2)]
+    small = [s[:4] for s in storage]  # same data_ptr as storage, 4 elements
+    want_small = _sum_of(small)
+    graphed = ring.GraphedRingreduce("sum")
+    graphed.prepare([storage, small])
+    for t in storage:
+        t[4:] = -1.0  # poison: a replay with the big count would overwrite it
+    graphed(small)
+    for t in storage:
+        torch.testing.assert_close(t[:4].double(), want_small, rtol=1e-6, atol=0)
+        assert torch.equal(t[4:], torch.full((4,), -1.0)), "replayed with the old count"
+
+
+def test_graph_prepare_drops_earlier_graphs(monkeypatch):
+    """Graphs of an earlier size point into freed buffers: prepare keeps only its own sets."""
+    _FakeGraphs(monkeypatch)
+    old = [torch.ones(8) for _ in range(2)]
+    new = [torch.ones(4) for _ in range(2)]
+    graphed = ring.GraphedRingreduce("sum")
+    graphed.prepare([old])
+    graphed.prepare([new])
+    graphed(new)
+    with pytest.raises(RuntimeError, match="not captured by prepare"):
+        graphed(old)
+
+
+def test_graph_column_times_replays_not_captures(monkeypatch, tmp_path):
+    """Every buffer set is captured before the timed loop starts; the loop only replays, and
+    the checked result is a replay's."""
+    fake = _FakeGraphs(monkeypatch)
+    real_time = common.time_iterations
+    seen = {}
+
+    def timed(fn, iters, warmup, devices=None):
+        seen["before"] = fake.captures
+        out = real_time(fn, iters, warmup, devices)
+        seen["after"] = fake.captures
+        return out
+
+    monkeypatch.setattr(common, "time_iterations", timed)
+    cfg = ring.Config(device="cpu", rank_devices=[torch.device("cpu")] * 3,
+                      dtype_name="float32", op="sum", sizes=[256], iters=3, warmup=2,
+                      seed=27, layout="3 ranks on the CPU")
+    graphed = ring.GraphedRingreduce(cfg.op)
+    impl = ring.Impl("ringreduce-graph", "graphed", graphed, prepare=graphed.prepare)
+    row = ring.measure_size(cfg, [impl], 256, cache_bytes=1 << 30, copy_bw=None,
+                            outcome=ring.Outcome(), log=print)
+    nsets = row["buffer_sets"]
+    assert nsets == cfg.iters + cfg.warmup
+    assert row["results"]["ringreduce-graph"]["wrong"] == 0, row
+    assert seen == {"before": nsets, "after": nsets}, f"captures in the timed loop: {seen}"

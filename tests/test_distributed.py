@@ -32,8 +32,7 @@ class Results(dict):
     """run_ranks' {rank: (status, value)}, with the ranks' process ids in .pids."""
 
 
-def _entry(fn, rank, world, store, queue, env, args):
-    os.environ.update(env)
+def _entry(fn, rank, world, store, queue, args):
     try:
         torch.set_num_threads(1)
         register_backend()
@@ -49,15 +48,26 @@ def _entry(fn, rank, world, store, queue, env, args):
 
 def run_ranks(fn, world, tmp_path, *args, start=None, env=None):
     """Runs fn(rank, world, store_path, *args) in `world` spawned processes (only the ranks in
-    `start` when given) and returns {rank: ("ok", value) or ("error", traceback)}."""
+    `start` when given) and returns {rank: ("ok", value) or ("error", traceback)}. `env` is in
+    each child's environment from its start, before it imports torch (PYTORCH_CUDA_ALLOC_CONF
+    is read when torch starts, so setting it in the child would be too late)."""
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     store = str(tmp_path / f"store-{time.monotonic_ns()}")
     ranks = range(world) if start is None else start
-    procs = {r: ctx.Process(target=_entry, args=(fn, r, world, store, queue, env or {}, args))
+    procs = {r: ctx.Process(target=_entry, args=(fn, r, world, store, queue, args))
              for r in ranks}
-    for p in procs.values():
-        p.start()
+    saved = {k: os.environ.get(k) for k in env or {}}
+    os.environ.update(env or {})
+    try:
+        for p in procs.values():
+            p.start()
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k)
+            else:
+                os.environ[k] = v
     results = Results()
     results.pids = [p.pid for p in procs.values()]
     deadline = time.monotonic() + SPAWN_TIMEOUT
@@ -295,6 +305,31 @@ def test_import_registers_backend():
                           timeout=120)
     assert proc.returncode == 0, ("`import ringreduce` must register the backend "
                                   f"(ringreduce/__init__.py):\n{proc.stderr}")
+
+
+def _start_environment(rank, world, store):
+    """The environment this process was started with: /proc/self/environ does not see later
+    os.environ changes, which come after the spawned child has imported torch."""
+    with open("/proc/self/environ", "rb") as f:
+        return dict(kv.split(b"=", 1) for kv in f.read().split(b"\0") if b"=" in kv)
+
+
+def test_run_ranks_env_is_set_before_the_child_starts(tmp_path):
+    """PYTORCH_CUDA_ALLOC_CONF (the GPU tests' allocator variants) takes effect only if set
+    before torch starts: run_ranks' env must be in the child's environment from exec on."""
+    key = f"RINGREDUCE_TEST_ENV_{os.getpid()}"
+    assert key not in os.environ
+    for start_env in values(run_ranks(_start_environment, 2, tmp_path, env={key: "early"})):
+        assert start_env.get(key.encode()) == b"early", "env was set after the child started"
+    assert key not in os.environ, "run_ranks left its env in the parent"
+
+
+def test_cuda_reduce_ops_cover_valid_ops():
+    """tests/test_distributed_cuda.py maps every op valid_ops yields (that file skips here)."""
+    from test_distributed_cuda import REDUCE_OPS
+    for dtype in ALL_DTYPES:
+        missing = set(valid_ops(dtype)) - REDUCE_OPS.keys()
+        assert not missing, f"REDUCE_OPS lacks {sorted(missing)} ({dtype})"
 
 
 def _api_surface(rank, world, store):

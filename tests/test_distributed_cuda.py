@@ -31,8 +31,10 @@ pytestmark = needs_cuda
 SMALL_STAGING = {"RINGREDUCE_CUDA_BUFFER_BYTES": "8192"}
 SIZES = (0, 1, 7, 33, 1000, 4099)
 BIG = 70001
+# Every op valid_ops yields (integers and bool take the bitwise ones too).
 REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "avg": dist.ReduceOp.AVG, "max": dist.ReduceOp.MAX,
-              "min": dist.ReduceOp.MIN, "prod": dist.ReduceOp.PRODUCT}
+              "min": dist.ReduceOp.MIN, "prod": dist.ReduceOp.PRODUCT,
+              "band": dist.ReduceOp.BAND, "bor": dist.ReduceOp.BOR, "bxor": dist.ReduceOp.BXOR}
 FAULT_TIMEOUT = 6.0
 DEV = torch.device("cuda", 0)
 

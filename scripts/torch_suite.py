@@ -215,6 +215,9 @@ def run_suite(args):
           f"{args.test_timeout}s", file=report)
     results = {}
     start = time.time()
+    out = {"backend": args.backend, "world_size": args.world_size,
+           "torch": sys.modules["torch"].__version__, "complete": not names, "seconds": 0.0,
+           "results": results}
     for name in names:
         if name in excluded:
             results[name] = {"status": "EXCLUDED", "detail": excluded[name], "seconds": 0.0}
@@ -231,13 +234,14 @@ def run_suite(args):
         note = _summary_line(r["detail"]) if r["status"] in ("FAIL", "TIMEOUT") else r["detail"]
         print(f"{r['status']:8} {name} ({r['seconds']}s){'  ' + note if note else ''}",
               file=report, flush=True)
-    out = {"backend": args.backend, "world_size": args.world_size,
-           "torch": sys.modules["torch"].__version__, "seconds": round(time.time() - start, 1),
-           "results": results}
+        out = {"backend": args.backend, "world_size": args.world_size,
+               "torch": sys.modules["torch"].__version__, "complete": len(results) == len(names),
+               "seconds": round(time.time() - start, 1), "results": results}
+        if args.json:  # after every test: a run cut short still leaves what it found
+            with open(args.json + ".tmp", "w") as f:
+                json.dump(out, f, indent=1)
+            os.replace(args.json + ".tmp", args.json)
     print_summary(out, report)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(out, f, indent=1)
     return out
 
 
@@ -250,8 +254,9 @@ def count(out):
 
 def print_summary(out, file=sys.stdout):
     counts = ", ".join(f"{v} {k.lower()}" for k, v in sorted(count(out).items()))
+    cut = "" if out.get("complete", True) else ", CUT SHORT (not every test ran)"
     print(f"# {out['backend']} world size {out['world_size']}: {counts} "
-          f"({out['seconds']:.0f}s)", file=file, flush=True)
+          f"({out['seconds']:.0f}s{cut})", file=file, flush=True)
 
 
 def gap(gloo, plugin):
@@ -342,6 +347,9 @@ def main():
     for name in closed:
         print(f"CLOSED   {name}: passes now; remove it from scripts/torch_suite_known_gaps.txt")
     unknown = set(missing) - set(known)
+    if not all(out.get("complete", True) for out in runs.values()):
+        print("# a run was cut short: the comparison is incomplete")
+        return 1
     if args.strict:
         return 1 if missing else 0
     return 1 if unknown or closed else 0

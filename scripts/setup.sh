@@ -8,7 +8,7 @@ PY=${PYTHON:-python3}
 
 missing=()
 $PY -c "import torch" 2>/dev/null || missing+=("torch==${RINGREDUCE_TORCH:-2.13.0}")
-for mod in ninja pytest numpy; do
+for mod in ninja pytest numpy expecttest; do
   $PY -c "import $mod" 2>/dev/null || missing+=("$mod")
 done
 # pytest-timeout bounds every test (tests/conftest.py gives each one a timeout).

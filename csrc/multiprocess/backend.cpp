@@ -116,6 +116,12 @@ class RingReduceBackend final : public c10d::Backend {
 
   const std::string getBackendName() const override { return "ringreduce"; }
 
+  // Sequence numbers (what TORCH_DISTRIBUTED_DEBUG=DETAIL's collective checks compare across
+  // ranks): the number of collectives this rank has issued on the group, as NCCL counts them.
+  // Every rank starts at 0 when the group is made, so setting them needs no exchange.
+  void setSequenceNumberForGroup() override {}
+  uint64_t getSequenceNumberForGroup() override { return seq_collective_.load(); }
+
   py::object comm() { return g_->transport->object(); }
   bool is_failed() const { return g_->failed.load(); }
   std::string failure() const { return g_->failure_text(); }
@@ -171,6 +177,7 @@ class RingReduceBackend final : public c10d::Backend {
     const char* name = "all_reduce";
     at::Tensor t = one(tensors, name);
     const std::string op = op_name(opts.reduceOp, name);
+    if (t.layout() == at::kSparse) return sparse_allreduce(tensors, t, op, opts.asyncOp);
     check(name, {t}, op, "tensor");
     auto tr = g_->transport;
     return submit(name, OpType::ALLREDUCE, [tr, t, op] {
@@ -512,6 +519,27 @@ class RingReduceBackend final : public c10d::Backend {
 
   // monitored_barrier is gloo's only: torch refuses it on other backends before calling here.
 
+  // A sparse (COO) all-reduce, as gloo does it: every rank's indices and values are gathered,
+  // then summed by coalescing; `t` becomes the result. Sum only (gloo refuses the others too),
+  // CPU only (a CUDA sparse tensor would need a path no test here can run).
+  c10::intrusive_ptr<c10d::Work> sparse_allreduce(std::vector<at::Tensor>& tensors,
+                                                  const at::Tensor& t, const std::string& op,
+                                                  bool async_op) {
+    const char* name = "all_reduce";
+    TORCH_CHECK_VALUE(op == "sum", "ringreduce ", name, ": unsupported reduction operation for "
+                      "a sparse tensor (allreduce of sparse tensors only works with "
+                      "ReduceOp.SUM); got ", op);
+    TORCH_CHECK_VALUE(t.is_cpu(), "ringreduce ", name, ": a sparse tensor must be on the cpu; "
+                      "got one on ", device_text(t.device()));
+    TORCH_CHECK_VALUE(t.dim() <= kMaxSparseDims, "ringreduce ", name, ": a sparse tensor may "
+                      "have at most ", kMaxSparseDims, " dims; got ", t.dim());
+    check(name, {t._values().contiguous()}, op, "tensor (its values)");
+    auto tr = g_->transport;
+    const int n = size_;
+    return submit(name, OpType::ALLREDUCE, [tr, t, n] { sparse_sum(*tr, t, n); }, tensors, {t},
+                  async_op);
+  }
+
  private:
   // ---- argument rules (the caller's thread) ------------------------------------------------
 
@@ -658,6 +686,68 @@ class RingReduceBackend final : public c10d::Backend {
 
   // ---- helpers run by the worker ----------------------------------------------------------
 
+  static constexpr int64_t kMaxSparseDims = 32;
+
+  // Every rank's sparse `t` summed into `t`: first what each rank has (its layout, dtype, shape
+  // and nnz, checked equal where they must be), then indices and values, each padded to the
+  // largest nnz so that one all-gather moves them. Every rank builds the sum from the same
+  // gathered bytes in rank order, so the results are identical.
+  static void sparse_sum(Transport& tr, const at::Tensor& t, int n) {
+    const char* name = "all_reduce";
+    // `t` takes the new indices and values themselves: made under inference mode (the worker's)
+    // they would be inference tensors, which the caller could not use with autograd.
+    c10::InferenceMode normal_tensors(false);
+    const at::Tensor c = t.coalesce();
+    const int64_t header = 5;
+    at::Tensor meta = at::zeros({header + kMaxSparseDims}, at::kLong);
+    int64_t* m = meta.data_ptr<int64_t>();
+    m[0] = c.dim();
+    m[1] = c.sparse_dim();
+    m[2] = c.dense_dim();
+    m[3] = c._nnz();
+    m[4] = int64_t(c.scalar_type());
+    for (int64_t d = 0; d < c.dim(); ++d) m[header + d] = c.size(d);
+    std::vector<at::Tensor> metas;
+    for (int r = 0; r < n; ++r) metas.push_back(at::empty_like(meta));
+    tr.all_gather(metas, meta);
+    int64_t max_nnz = 0;
+    for (int r = 0; r < n; ++r) {
+      const int64_t* o = metas[size_t(r)].data_ptr<int64_t>();
+      max_nnz = std::max(max_nnz, o[3]);
+      const bool same_shape = std::equal(o + header, o + header + kMaxSparseDims, m + header);
+      TORCH_CHECK_VALUE(o[0] == m[0] && o[1] == m[1] && o[2] == m[2] && same_shape,
+                        "ringreduce ", name, ": rank ", r, "'s sparse tensor has another shape "
+                        "or sparse/dense split than this rank's ", shape_text(c), " (",
+                        c.sparse_dim(), " sparse dims); sparse all-reduce needs the same on "
+                        "every rank");
+      TORCH_CHECK_VALUE(o[4] == m[4], "ringreduce ", name, ": rank ", r, "'s sparse tensor is ",
+                        "torch.", torch_dtype_name(at::ScalarType(o[4])), "; this rank's is ",
+                        dtype_text(c));
+    }
+    at::Tensor indices = at::zeros({c.sparse_dim(), max_nnz}, at::kLong);
+    std::vector<int64_t> value_shape = c._values().sizes().vec();
+    value_shape[0] = max_nnz;
+    at::Tensor values = at::zeros(value_shape, c._values().options());
+    indices.narrow(1, 0, c._nnz()).copy_(c._indices());
+    values.narrow(0, 0, c._nnz()).copy_(c._values());
+    std::vector<at::Tensor> all_indices, all_values;
+    for (int r = 0; r < n; ++r) {
+      all_indices.push_back(at::empty_like(indices));
+      all_values.push_back(at::empty_like(values));
+    }
+    tr.all_gather(all_indices, indices);
+    tr.all_gather(all_values, values);
+    std::vector<at::Tensor> idx, val;
+    for (int r = 0; r < n; ++r) {
+      const int64_t nnz = metas[size_t(r)].data_ptr<int64_t>()[3];
+      idx.push_back(all_indices[size_t(r)].narrow(1, 0, nnz));
+      val.push_back(all_values[size_t(r)].narrow(0, 0, nnz));
+    }
+    const at::Tensor sum =
+        at::sparse_coo_tensor(at::cat(idx, 1), at::cat(val, 0), c.sizes()).coalesce();
+    t.copy_(sum);
+  }
+
   // Runs fn on a contiguous version of t, copying the result back if needed.
   template <typename F>
   static void contiguous_do(const at::Tensor& t, F&& fn) {
@@ -764,6 +854,7 @@ class RingReduceBackend final : public c10d::Backend {
       const std::lock_guard<std::mutex> held(shut_mu_);
       TORCH_CHECK(!shut_, "ringreduce ", name, ": the process group was already destroyed");
     }
+    seq_collective_.fetch_add(1);
     auto work = c10::make_intrusive<RRWork>(g_, name, type, outputs, device);
     auto job = std::make_shared<Job>();
     job->work = work;
@@ -978,6 +1069,7 @@ class RingReduceBackend final : public c10d::Backend {
   std::vector<XhostWaiter> xhost_waiters_;
   std::mutex shut_mu_;
   bool shut_ = false;
+  std::atomic<uint64_t> seq_collective_{0};  // collectives issued (sequence numbers)
 };
 
 // At interpreter exit: every group still alive ends its threads, with a short grace for work

@@ -446,7 +446,10 @@ void HostGroup::raise_peer_problem(int peer, uint64_t target, const Ctx& ctx,
   const std::string who = "rank " + std::to_string(peer) + " (pid " + std::to_string(h->pid) + ")";
   switch (problem) {
     case Problem::Timeout:
-      s << " timed out after " << seconds(Clock::now() - ctx.start) << " waiting for " << who;
+      // "(the group's timeout is ...)" names the knob, and holds " timeout ", the word that
+      // torch's own tests (and tools matching its errors) look for.
+      s << " timed out after " << seconds(Clock::now() - ctx.start) << " (the group's timeout "
+        << "is " << seconds(timeout_) << ") waiting for " << who;
       break;
     case Problem::Exited: s << " failed: " << who << " exited"; break;
     case Problem::Aborted: s << " failed: " << who << " failed"; break;

@@ -84,7 +84,9 @@ inline void fused_all_gather(Transport& tr, const std::vector<std::vector<at::Te
     int64_t at_ = 0;
     for (size_t i : group) {
       const int64_t n = inputs[i].numel();
-      for (int r = 0; r < size; ++r) unpack_into(outputs[i][size_t(r)], parts[size_t(r)].slice(0, at_, at_ + n));
+      for (int r = 0; r < size; ++r) {
+        unpack_into(outputs[i][size_t(r)], parts[size_t(r)].slice(0, at_, at_ + n));
+      }
       at_ += n;
     }
   }

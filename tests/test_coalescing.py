@@ -153,7 +153,8 @@ def _expect_all_reduce(case, world, batch=BATCH):
             expected[i] = f
             alone = ring_model([per_rank[r][i] for r in range(world)], "sum")
             discriminates = discriminates or not torch.equal(bits(alone), bits(f))
-    assert discriminates, f"case {case}: per-tensor and fused rings agree; pick other inputs"
+    # Two ranks add once per element, in any order alike: nothing to tell apart there.
+    assert discriminates or world == 2, f"case {case}: per-tensor and fused rings agree"
     return expected
 
 

@@ -197,7 +197,26 @@ def _create_backend(store, rank, world_size, timeout):
         if layout.nhosts > 1:
             comm = hierarchy.FlatHostsComm(comm, layout)
     return _dist_C.Backend(comm, rank, world_size, timeout_s,
-                           async_engine=_env.flag("RINGREDUCE_ASYNC"))
+                           async_engine=_env.flag("RINGREDUCE_ASYNC"), store=store)
+
+
+def _split_backend(store, ranks, timeout_s, rank, size):
+    """Backend.split (ProcessGroup.split_group, dist.split_group): the group of the parent's
+    `ranks`, made over `store` (torch's prefix store of the new group) by its members alone;
+    None on the other ranks."""
+    members = sorted(ranks)
+    if rank not in members:
+        return None
+    return _create_backend(store, members.index(rank), len(members), timeout_s)
+
+
+def _shrink_backend(store, excluded, timeout_s, count, rank, size):
+    """Backend.shrink (dist.shrink_group): the parent's group without `excluded`, made over the
+    parent's store under a prefix numbered per shrink of that parent (`count`), which every
+    survivor derives alike; the excluded ranks take no part."""
+    survivors = [r for r in range(size) if r not in set(excluded)]
+    shrunk = dist.PrefixStore(f"ringreduce/shrink/{count}/", store)
+    return _create_backend(shrunk, survivors.index(rank), len(survivors), timeout_s)
 
 
 def _gather_keys(store, prefix, deadline, what, rank, world_size, timeout_s):

@@ -2,6 +2,7 @@
 #include "backend.h"
 
 #include <torch/csrc/distributed/c10d/Backend.hpp>
+#include <torch/csrc/distributed/c10d/Store.hpp>
 #include <torch/csrc/distributed/c10d/Work.hpp>
 
 #include <algorithm>
@@ -23,6 +24,7 @@
 #include <vector>
 
 #include "backend_common.h"
+#include "coalesce.h"
 #include "comm.h"
 #include "completer.h"
 #include "engine.h"
@@ -93,8 +95,8 @@ class GilReleasedIfHeld {
 class RingReduceBackend final : public c10d::Backend {
  public:
   RingReduceBackend(std::shared_ptr<Transport> transport, int rank, int size, double timeout_s,
-                    bool async)
-      : c10d::Backend(rank, size), async_(async) {
+                    bool async, c10::intrusive_ptr<c10d::Store> store)
+      : c10d::Backend(rank, size), async_(async), store_(std::move(store)) {
     g_ = std::make_shared<Group>();
     g_->transport = std::move(transport);
     g_->rank = rank;
@@ -121,6 +123,53 @@ class RingReduceBackend final : public c10d::Backend {
   // Every rank starts at 0 when the group is made, so setting them needs no exchange.
   void setSequenceNumberForGroup() override {}
   uint64_t getSequenceNumberForGroup() override { return seq_collective_.load(); }
+
+  // Coalescing (coalesce.h): the *_coalesced collectives run one ring pass per batch, and
+  // startCoalescing()..endCoalescing() folds the Works issued in between into one.
+  bool supportsCoalescing() const override { return true; }
+  void startCoalescing() override { batch_.start(rank_); }
+  c10::intrusive_ptr<c10d::Work> endCoalescing() override { return batch_.end(rank_); }
+
+  // Splitting and shrinking: the new group is a ringreduce group of its own (fresh segments,
+  // its own threads), made by ringreduce/distributed.py over a store (split: the one torch
+  // passes; shrink: the parent's, under a prefix numbered per shrink), with no
+  // init_process_group and no other ranks than the new group's.
+  bool supportsSplitting() const override { return true; }
+  bool supportsShrinking() const override { return true; }
+
+  c10::intrusive_ptr<Options> getBackendOptions() override {
+    return c10::make_intrusive<Options>(
+        "ringreduce", std::chrono::milliseconds(int64_t(g_->timeout_s.load() * 1000.0)));
+  }
+
+  // Called by every rank of the parent (ProcessGroup.split_group): nullptr where this rank is
+  // not in `ranks` (parent group ranks).
+  c10::intrusive_ptr<c10d::Backend> split(const c10::intrusive_ptr<c10d::Store>& store,
+                                          const std::vector<int>& ranks,
+                                          const c10::intrusive_ptr<Options>& opts) override {
+    for (int r : ranks) {
+      TORCH_CHECK_VALUE(r >= 0 && r < size_, "ringreduce split: rank ", r, " is not in the "
+                        "parent group (ranks 0..", size_ - 1, ")");
+    }
+    return derive("_split_backend", store, ranks, timeout_of(opts));
+  }
+
+  // The group without `excluded` (parent group ranks), over the survivors only. SHRINK_ABORT
+  // (flag 1) first aborts the parent: collectives still waiting on it fail at once.
+  c10::intrusive_ptr<c10d::Backend> shrink(const std::vector<int64_t>& excluded, int flags,
+                                           const c10::intrusive_ptr<Options>& opts) override {
+    for (int64_t r : excluded) {
+      TORCH_CHECK_VALUE(r >= 0 && r < size_, "ringreduce shrink: rank ", r, " at "
+                        "ranks_to_exclude is out of bounds for group size ", size_);
+      TORCH_CHECK(r != rank_, "ringreduce shrink: Current rank ", rank_, " is in the exclusion "
+                  "list and should not call shrink_group(); only the ranks that stay do");
+    }
+    TORCH_CHECK(store_, "ringreduce shrink: this group was made without a store to meet the "
+                "survivors on");
+    if (flags & 1) abort();
+    const int count = shrinks_.fetch_add(1);
+    return derive("_shrink_backend", store_, excluded, timeout_of(opts), count);
+  }
 
   py::object comm() { return g_->transport->object(); }
   bool is_failed() const { return g_->failed.load(); }
@@ -193,9 +242,7 @@ class RingReduceBackend final : public c10d::Backend {
     auto tr = g_->transport;
     std::vector<at::Tensor> ts = tensors;
     return submit(name, OpType::ALLREDUCE_COALESCED, [tr, ts, op] {
-      for (const at::Tensor& t : ts) {
-        contiguous_do(t, [&](const at::Tensor& c) { tr->all_reduce(c, op); });
-      }
+      fused_all_reduce(*tr, ts, op);
     }, tensors, ts, opts.asyncOp);
   }
 
@@ -248,20 +295,34 @@ class RingReduceBackend final : public c10d::Backend {
   c10::intrusive_ptr<c10d::Work> allgather_coalesced(
       std::vector<std::vector<at::Tensor>>& output_lists, std::vector<at::Tensor>& input_tensors,
       const c10d::AllgatherOptions& opts) override {
+    // torch's layout: output_lists[r][i] receives rank r's input_tensors[i].
     const char* name = "all_gather_coalesced";
-    TORCH_CHECK_VALUE(output_lists.size() == input_tensors.size(), "ringreduce ", name,
-                      ": one output list per input tensor needed; got ", output_lists.size(),
-                      " lists for ", input_tensors.size());
-    for (size_t i = 0; i < input_tensors.size(); ++i) {
-      check_list(name, output_lists[i], input_tensors[i]);
+    TORCH_CHECK_VALUE(int(output_lists.size()) == size_, "ringreduce ", name, ": "
+                      "output_tensor_lists must hold one list per rank (", size_, "); got ",
+                      output_lists.size());
+    check(name, input_tensors, "", "input_tensor_list");
+    for (size_t r = 0; r < output_lists.size(); ++r) {
+      TORCH_CHECK_VALUE(output_lists[r].size() == input_tensors.size(), "ringreduce ", name,
+                        ": output_tensor_lists[", r, "] must hold one tensor per input (",
+                        input_tensors.size(), "); got ", output_lists[r].size());
+      const std::string arg = "output_tensor_lists[" + std::to_string(r) + "]";
+      check(name, output_lists[r], "", arg);
+      for (size_t i = 0; i < input_tensors.size(); ++i) {
+        check_same(name, {output_lists[r][i]}, (arg + "[" + std::to_string(i) + "]").c_str(),
+                   input_tensors[i], ("input_tensor_list[" + std::to_string(i) + "]").c_str());
+      }
     }
     auto tr = g_->transport;
-    std::vector<std::vector<at::Tensor>> lists = output_lists;
+    const int n = size_;
     std::vector<at::Tensor> ins = input_tensors;
+    std::vector<std::vector<at::Tensor>> per_input(ins.size());
+    for (size_t i = 0; i < ins.size(); ++i) {
+      for (const auto& list : output_lists) per_input[i].push_back(list[i]);
+    }
     std::vector<at::Tensor> touched = flat(output_lists);
     touched.insert(touched.end(), ins.begin(), ins.end());
-    return submit(name, OpType::ALLGATHER_COALESCED, [tr, lists, ins] {
-      for (size_t i = 0; i < ins.size(); ++i) gather_into(*tr, lists[i], ins[i]);
+    return submit(name, OpType::ALLGATHER_COALESCED, [tr, per_input, ins, n] {
+      fused_all_gather(*tr, per_input, ins, n);
     }, flat(output_lists), touched, opts.asyncOp);
   }
 
@@ -289,7 +350,18 @@ class RingReduceBackend final : public c10d::Backend {
     std::vector<at::Tensor> outs = outputs, ins = inputs, touched = outputs;
     touched.insert(touched.end(), inputs.begin(), inputs.end());
     return submit("all_gather_into_tensor_coalesced", OpType::COALESCED, [tr, outs, ins, n] {
-      for (size_t i = 0; i < outs.size(); ++i) gather_flat(*tr, outs[i], ins[i], n);
+      // Each output as one block per rank, written in place where it is contiguous.
+      std::vector<at::Tensor> dense;
+      std::vector<std::vector<at::Tensor>> blocks;
+      for (size_t i = 0; i < outs.size(); ++i) {
+        dense.push_back(outs[i].is_contiguous() ? outs[i] : outs[i].contiguous());
+        blocks.push_back(split_rows(dense.back(), std::vector<int64_t>(size_t(n), 1),
+                                    ins[i].numel()));
+      }
+      fused_all_gather(*tr, blocks, ins, n);
+      for (size_t i = 0; i < outs.size(); ++i) {
+        if (!dense[i].is_same(outs[i])) outs[i].copy_(dense[i]);
+      }
     }, outputs, touched, opts.asyncOp);
   }
 
@@ -349,10 +421,10 @@ class RingReduceBackend final : public c10d::Backend {
     auto tr = g_->transport;
     std::vector<at::Tensor> outs = outputs, touched = outputs;
     touched.insert(touched.end(), inputs.begin(), inputs.end());
+    const int n = size_;
     return submit("reduce_scatter_tensor_coalesced", OpType::REDUCE_SCATTER_TENSOR_COALESCED,
-                  [tr, outs, flats, op] {
-      for (size_t i = 0; i < outs.size(); ++i) reduce_scatter_flat(*tr, outs[i], flats[i], op);
-    }, outputs, touched, opts.asyncOp);
+                  [tr, outs, flats, op, n] { fused_reduce_scatter(*tr, outs, flats, op, n); },
+                  outputs, touched, opts.asyncOp);
   }
 
   c10::intrusive_ptr<c10d::Work> barrier(const c10d::BarrierOptions& opts) override {
@@ -856,6 +928,7 @@ class RingReduceBackend final : public c10d::Backend {
     }
     seq_collective_.fetch_add(1);
     auto work = c10::make_intrusive<RRWork>(g_, name, type, outputs, device);
+    batch_.note(work);
     auto job = std::make_shared<Job>();
     job->work = work;
     job->run = std::move(run);
@@ -922,11 +995,16 @@ class RingReduceBackend final : public c10d::Backend {
       const std::lock_guard<std::mutex> held(shut_mu_);
       TORCH_CHECK(!shut_, "ringreduce ", name, ": the process group was already destroyed");
     }
-    if (!g_->transport->native()) return xhost_p2p(name, is_send, t, peer, tag);
+    if (!g_->transport->native()) {
+      c10::intrusive_ptr<c10d::Work> work = xhost_p2p(name, is_send, t, peer, tag);
+      batch_.note(work);
+      return work;
+    }
     c10::optional<at::Device> device;
     if (t.is_cuda()) device = t.device();
     auto work = c10::make_intrusive<RRWork>(g_, name, is_send ? OpType::SEND : OpType::RECV,
                                             std::vector<at::Tensor>{t}, device);
+    batch_.note(work);
     auto job = std::make_shared<P2PJob>();
     job->work = work;
     job->send = is_send;
@@ -1057,7 +1135,23 @@ class RingReduceBackend final : public c10d::Backend {
     return work;
   }
 
+  double timeout_of(const c10::intrusive_ptr<Options>& opts) const {
+    return opts ? opts->timeout.count() / 1000.0 : g_->timeout_s.load();
+  }
+
+  // ringreduce.distributed.<fn>(*args, rank=, size=): a new Backend, or None (nullptr).
+  template <typename... A>
+  c10::intrusive_ptr<c10d::Backend> derive(const char* fn, const A&... args) {
+    py::gil_scoped_acquire gil;
+    py::object made = py::module_::import("ringreduce.distributed").attr(fn)(
+        args..., py::arg("rank") = rank_, py::arg("size") = size_);
+    if (made.is_none()) return nullptr;
+    return made.cast<c10::intrusive_ptr<RingReduceBackend>>();
+  }
+
   const bool async_;
+  const c10::intrusive_ptr<c10d::Store> store_;  // the one the group was made with, or null
+  std::atomic<int> shrinks_{0};
   std::shared_ptr<Group> g_;
   std::shared_ptr<Engine> engine_;
   std::mutex p2p_mu_;
@@ -1070,6 +1164,7 @@ class RingReduceBackend final : public c10d::Backend {
   std::mutex shut_mu_;
   bool shut_ = false;
   std::atomic<uint64_t> seq_collective_{0};  // collectives issued (sequence numbers)
+  CoalescingBatch batch_;
 };
 
 // At interpreter exit: every group still alive ends its threads, with a short grace for work
@@ -1088,17 +1183,21 @@ void shutdown_all(double grace_s) {
 void bind_backend(py::module& m) {
   py::class_<RingReduceBackend, c10d::Backend, c10::intrusive_ptr<RingReduceBackend>>(
       m, "Backend", "One rank of a ringreduce process group (torch.distributed backend).")
-      .def(py::init([](py::object comm, int rank, int size, double timeout_s, bool async) {
+      .def(py::init([](py::object comm, int rank, int size, double timeout_s, bool async,
+                       py::object store) {
              std::shared_ptr<Transport> t;
              if (py::isinstance<Comm>(comm)) {
                t = std::make_shared<NativeTransport>(comm.cast<std::shared_ptr<Comm>>());
              } else {
                t = std::make_shared<PyTransport>(comm);
              }
-             return c10::make_intrusive<RingReduceBackend>(t, rank, size, timeout_s, async);
+             c10::intrusive_ptr<c10d::Store> st;
+             if (!store.is_none()) st = store.cast<c10::intrusive_ptr<c10d::Store>>();
+             return c10::make_intrusive<RingReduceBackend>(t, rank, size, timeout_s, async,
+                                                           std::move(st));
            }),
            py::arg("comm"), py::arg("rank"), py::arg("size"), py::arg("timeout"),
-           py::arg("async_engine") = true)
+           py::arg("async_engine") = true, py::arg("store") = py::none())
       .def_property_readonly("comm", &RingReduceBackend::comm,
                              "The executor object (a Comm, or a HierarchicalComm across hosts).")
       .def_property_readonly("failed", &RingReduceBackend::is_failed)

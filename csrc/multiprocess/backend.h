@@ -33,6 +33,7 @@
 //   completer.h       completion threads: futures completed off the progress thread
 //   engine.h          Work, the group's shared state, the engine (issue order, watchdog)
 //   p2p_engine.h      point-to-point sends and receives on a thread of their own
+//   coalesce.h        coalesced collectives (one ring pass per batch), coalescing batches
 //   backend.cpp       the c10d::Backend: argument checks, one Job per collective, bindings
 #pragma once
 

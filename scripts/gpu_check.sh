@@ -8,7 +8,8 @@
 #   smoke     import, build_info, all_reduce on cuda:0 against a float64 reference: ring,
 #             one-shot, staged (copy) hops; 2 and 4 simulated ranks
 #   core      the list API's GPU tests (tests/test_cuda.py)
-#   backend   the torch.distributed backend on CUDA (test_distributed_cuda.py, and -k cuda of
+#   backend   the torch.distributed backend on CUDA (test_distributed_cuda.py,
+#             test_backend_cuda_streams.py, and -k cuda of
 #             test_distributed.py and test_distributed_surface.py)
 #   review    tests/test_cuda_review.py
 #   clients   -k "cuda or graph" of test_data_parallel.py, test_train.py, test_bench_ring.py
@@ -127,7 +128,8 @@ for p in $phases; do
            [ -f build/gpu_check.stamp ] || { note gpu_check "no build: later phases not run"; exit 1; } ;;
     smoke) run smoke 120 python3 scripts/gpu_smoke.py ;;
     core) pytest_phase core tests/test_cuda.py ;;
-    backend) pytest_phase backend tests/test_distributed_cuda.py tests/test_distributed.py \
+    backend) pytest_phase backend tests/test_distributed_cuda.py tests/test_backend_cuda_streams.py \
+               tests/test_distributed.py \
                tests/test_distributed_surface.py -k cuda ;;
     review) pytest_phase review tests/test_cuda_review.py ;;
     clients) pytest_phase clients tests/test_data_parallel.py tests/test_train.py \

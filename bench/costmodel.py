@@ -252,12 +252,12 @@ def _hop_seconds(size: float, nranks: int, link: Link, p: Params, hbm_per_byte: 
 def ring_time(size: float, nranks: int, link: Link, p: Params) -> float:
     """The executor as it is (csrc/ring/cuda_executor.cu): one host thread queues, per step and
     per GPU, a launch, an event record and a wait on the predecessor's event; an entry and an
-    exit barrier (N records and N(N-1) waits each). A step runs when the host has queued it on
+    exit barrier (N records, and waits on each GPU's two ring neighbours: N min(2, N-1)). A step runs when the host has queued it on
     every GPU and the previous step is done; it costs a launch, a cross-device wait and the hop's
     data time."""
     n = nranks
     host_step = n * (p.step_us + 2 * p.event_us) * US
-    host_barrier = n * n * p.event_us * US
+    host_barrier = n * (1 + min(2, n - 1)) * p.event_us * US
     host = host_barrier
     gpu = host + p.wait_us * US
     for k in range(2 * (n - 1)):

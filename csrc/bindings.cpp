@@ -334,16 +334,15 @@ std::vector<std::string> execute(const rr::Plan& plan, rr::DType dtype, rr::Op o
     }
     return ok;
   };
-  // Each buffer is last touched on its lanes (the exit barrier orders every lane after every
-  // neighbour's reads); telling the caching allocator about one lane on the tensor's device
-  // keeps a tensor the caller drops right away (and the workspaces, dropped on return) from
-  // being handed out before that lane reaches this point, even if it was allocated elsewhere.
+  // A rank's buffers are touched by its own lane and its successor's (which reads them); the
+  // exit barrier orders the own lane after the successor. Telling the caching allocator about
+  // every lane on the tensor's device (the own lane among them) keeps a tensor the caller drops
+  // right away (and the workspaces, dropped on return) from being handed out before those
+  // lanes reach this point, even if it was allocated on another stream.
   for (const at::Tensor& t : touched) {
-    for (int r = 0; r < nranks; ++r) {
-      if (ranks[r].get_device() == t.get_device()) {
-        c10::cuda::CUDACachingAllocator::recordStream(t.storage().data_ptr(),
-                                                      lane_stream[size_t(rank_lane[r])]);
-        break;
+    for (size_t l = 0; l < lanes.size(); ++l) {
+      if (lanes[l].device == t.get_device()) {
+        c10::cuda::CUDACachingAllocator::recordStream(t.storage().data_ptr(), lane_stream[l]);
       }
     }
   }

@@ -160,9 +160,10 @@ def test_prediction_rows_are_nccl_tests_arithmetic():
 
 def test_todays_ring_is_host_bound_at_mid_sizes():
     """One host thread queues a launch, a record and a wait per GPU and step: with 8 GPUs that,
-    not the GPUs, sets the time of every size up to tens of MiB (docs/COSTMODEL.md)."""
+    not the GPUs, sets the time of every size up to tens of MiB (docs/COSTMODEL.md). Each of the
+    two barriers is 8 records and 16 waits (each GPU on its two ring neighbours)."""
     link, p = cm.LINKS["nvlink"], cm.DEFAULTS
-    host = (2 * 7 * 8 * (p.step_us + 2 * p.event_us) + 2 * 64 * p.event_us) * 1e-6
+    host = (2 * 7 * 8 * (p.step_us + 2 * p.event_us) + 2 * (8 + 16) * p.event_us) * 1e-6
     for s in (8, 1 << 20, 16 << 20):
         assert cm.ring_time(s, 8, link, p) == pytest.approx(host + (p.t0_us + p.wait_us) * 1e-6)
 

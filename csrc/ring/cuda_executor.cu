@@ -200,8 +200,19 @@ void run(const Plan& plan, const int* rank_lane, int nranks, const Lane* lanes, 
     }
   }
 
-  // Makes every lane wait for what every other lane queued up to its event `e`.
-  auto barrier = [&](size_t e, const char* what) {
+  // A lane's ring neighbours: the lanes of its ranks' predecessors (whose memory it reads) and
+  // successors (which read its memory).
+  std::map<int, std::vector<int>> neighbours;
+  for (int r = 0; r < nranks && multi; ++r) {
+    const int l = rank_lane[r];
+    for (int o : {rank_lane[(r + nranks - 1) % nranks], rank_lane[(r + 1) % nranks]}) {
+      std::vector<int>& n = neighbours[l];
+      if (o != l && std::find(n.begin(), n.end(), o) == n.end()) n.push_back(o);
+    }
+  }
+  // Makes every lane wait for what its ring neighbours (every other lane, with `all`) queued up
+  // to their event `e`: 2 waits a lane instead of N-1.
+  auto barrier = [&](size_t e, const char* what, bool all) {
     for (int l : used) {
       guard.set(lanes[l].device);
       RR_CUDA_CHECK(cudaEventRecord((*events[l])[e], lanes[l].stream),
@@ -209,7 +220,7 @@ void run(const Plan& plan, const int* rank_lane, int nranks, const Lane* lanes, 
     }
     for (int l : used) {
       guard.set(lanes[l].device);
-      for (int o : used) {
+      for (int o : all ? used : neighbours[l]) {
         if (o == l) continue;
         RR_CUDA_CHECK(cudaStreamWaitEvent(lanes[l].stream, (*events[o])[e], 0),
                       std::string(what) + ": ordering " + name(l) + " after " + name(o));
@@ -218,9 +229,11 @@ void run(const Plan& plan, const int* rank_lane, int nranks, const Lane* lanes, 
   };
 
   try {
-    // Entry: no lane may write its buffers before every lane's earlier work (the inputs, and
-    // the previous call's reads of the neighbours) is done.
-    if (multi) barrier(0, "entering the ring");
+    // Entry: no lane reads its predecessor's buffers before that lane's earlier work (the
+    // inputs) is done. (Its own buffers' readers in the previous call, its successors, are
+    // ordered before it by that call's exit; the wait on them costs one call and keeps the
+    // barrier symmetric.)
+    if (multi) barrier(0, "entering the ring", false);
     std::vector<Task> tasks;
     std::vector<int> waited;
     for (int64_t k = 0; k < steps; ++k) {
@@ -267,15 +280,16 @@ void run(const Plan& plan, const int* rank_lane, int nranks, const Lane* lanes, 
         }
       }
     }
-    // Exit: a lane's later work may overwrite its buffers only after every neighbour has
-    // finished reading them.
-    if (multi) barrier(size_t(1 + steps), "leaving the ring");
+    // Exit: a lane's later work may overwrite its buffers only after its successors have
+    // finished reading them. Only neighbours touch a lane's memory (every move reads the
+    // predecessor; staging buffers live on the lane that copies into them).
+    if (multi) barrier(size_t(1 + steps), "leaving the ring", false);
   } catch (...) {
     // Part of the call is queued. Join the lanes anyway (best effort: a sticky error fails
     // these too), so that no lane's later work overtakes what the others still run.
     if (multi) {
       try {
-        barrier(size_t(1 + steps), "joining the lanes after an error");
+        barrier(size_t(1 + steps), "joining the lanes after an error", true);
       } catch (const std::exception&) {
         cudaGetLastError();
       }

@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from checks import segments_of
 from test_distributed import init, run_ranks, values
 
 SEED = 2612
@@ -44,8 +45,8 @@ def _split(rank, world, store):
 
 
 def test_split_group_makes_working_subgroups(tmp_path):
-    before = set(glob.glob("/dev/shm/ringreduce-*"))
-    got = values(run_ranks(_split, 4, tmp_path))
+    results = run_ranks(_split, 4, tmp_path)
+    got = values(results)
     for rank, (flags, other_none, sub_rank, sub_size, name, t, w, u) in enumerate(got):
         assert flags == (True, True, True)
         assert other_none, f"rank {rank} got a group it is not in"
@@ -54,7 +55,7 @@ def test_split_group_makes_working_subgroups(tmp_path):
         assert t == [float(sum(p + 1 for p in peers))] * 5
         assert w == [10.0] * 3
         assert u == [float(sum(peers))]
-    assert set(glob.glob("/dev/shm/ringreduce-*")) <= before
+    assert not segments_of(results.pids), f"left in /dev/shm: {segments_of(results.pids)}"
 
 
 def _split_not_a_rank(rank, world, store):

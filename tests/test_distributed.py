@@ -7,6 +7,7 @@ references, DDP against gloo, faults (killed, hung, absent ranks; mismatched arg
 """
 import datetime
 import os
+import queue as queue_module
 import signal
 import subprocess
 import sys
@@ -76,7 +77,7 @@ def run_ranks(fn, world, tmp_path, *args, start=None, env=None):
             try:
                 rank, status, value = queue.get(timeout=1.0)
                 results[rank] = (status, value)
-            except Exception:
+            except queue_module.Empty:
                 dead = [r for r, p in procs.items() if p.exitcode is not None and r not in results]
                 if dead and all(procs[r].exitcode != 0 for r in dead):
                     for r in dead:

@@ -41,7 +41,10 @@ def _sparse_sum(rank, world, store):
     for seed in SEEDS:
         t = _sparse_of(rank, seed)
         dist.all_reduce(t)
-        out.append((t.is_coalesced(), t.coalesce().indices(), t.coalesce().values()))
+        # As lists: a tensor sent back through the queue would be a shared-memory handle that
+        # dies with this process (run_ranks' _entry ends it with os._exit).
+        out.append((t.is_coalesced(), t.coalesce().indices().tolist(),
+                    t.coalesce().values().tolist()))
     dist.destroy_process_group()
     return out
 
@@ -56,10 +59,12 @@ def test_sparse_all_reduce_sums_like_dense(tmp_path, world):
         for rank, per_rank in enumerate(results):
             coalesced, idx, val = per_rank[i]
             assert coalesced, (seed, rank)
+            idx = torch.tensor(idx, dtype=torch.long).reshape(2, -1)
+            val = torch.tensor(val, dtype=torch.float64).reshape(-1, SHAPE[2])
             got = torch.sparse_coo_tensor(idx, val, SHAPE).to_dense()
             torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12,
                                        msg=f"seed {seed} rank {rank}")
-            assert torch.equal(idx, results[0][i][1]) and torch.equal(val, results[0][i][2])
+            assert per_rank[i] == results[0][i], (seed, rank)
 
 
 def _sparse_bad(rank, world, store):

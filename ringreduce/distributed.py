@@ -100,8 +100,32 @@ def register_backend():
     if BACKEND_NAME.upper() in dist.Backend._plugins:
         return True
     dist.Backend.register_backend(BACKEND_NAME, _create_backend, devices=["cpu", "cuda"])
+    _keep_shrunk_backend_type()
     atexit.register(_shutdown_at_exit)
     return True
+
+
+def _keep_shrunk_backend_type():
+    """dist.shrink_group registers the shrunk group's backend as torch's NCCL (bound to a CUDA
+    device) or GLOO (otherwise), whatever backend it is. torch then treats a ringreduce
+    backend as ProcessGroupGloo: DDP's logger casts it so and crashes (SIGSEGV, torch 2.14.1).
+    Registered as CUSTOM, the type torch gives every plugin backend, it is ringreduce's again."""
+    c10d = dist.distributed_c10d
+    create = getattr(c10d, "_create_shrunk_process_group", None)
+    if create is None or getattr(create, "_ringreduce", False):
+        return
+
+    def create_shrunk_process_group(new_backend, *args, **kwargs):
+        pg = create(new_backend, *args, **kwargs)
+        if new_backend.name() == BACKEND_NAME:
+            custom = dist.ProcessGroup.BackendType.CUSTOM
+            device = pg.bound_device_id or torch.device("cpu")
+            pg._register_backend(device, custom, new_backend)
+            pg._set_default_backend(custom)
+        return pg
+
+    create_shrunk_process_group._ringreduce = True
+    c10d._create_shrunk_process_group = create_shrunk_process_group
 
 
 def _shutdown_at_exit():
@@ -157,9 +181,32 @@ def _seconds(timeout):
     return float(timeout)
 
 
+class _Options(torch._C._distributed_c10d.Backend.Options):
+    """A ringreduce group's options (backend name, timeout) as torch's Backend.Options, which
+    dist.split_group deep-copies from the parent backend (torch's own Options cannot be
+    copied: it does not pickle)."""
+
+    def __deepcopy__(self, memo):
+        return _Options(self.backend, self._timeout)
+
+
+def _backend_options(backend):
+    return _Options(BACKEND_NAME, backend.timeout)
+
+
+def _extend(backend_class):
+    """What torch reads off a backend in Python besides the C++ interface: ``options``
+    (dist.split_group copies it for the child group). Idempotent."""
+    if not isinstance(getattr(backend_class, "options", None), property):
+        backend_class.options = property(_backend_options, doc=(
+            "The group's torch Backend.Options (backend name and timeout)."))
+
+
 def _create_backend(store, rank, world_size, timeout):
     """The rendezvous (in Python: it runs once), then the C++ backend over its executor."""
     from . import _dist_C
+
+    _extend(_dist_C.Backend)
 
     timeout_s = _seconds(timeout)
     # The store may outlive this group (a re-created group reuses it): number the

@@ -75,6 +75,57 @@ def test_split_with_a_rank_outside_the_parent_fails_clearly(tmp_path):
         assert error and "rank 5 is not in the parent group (ranks 0..1)" in error
 
 
+def _dist_split_and_mesh(rank, world, store):
+    # dist.split_group and DeviceMesh split only where torch.accelerator has a device (they ask
+    # it which backend of the child to use) and the default group is bound to a device: on
+    # this CPU-only machine both are made to say "cpu", so that torch's own code path, which a
+    # GPU run takes with cuda, runs here on ringreduce's CPU backend.
+    torch.accelerator.is_available = lambda: True
+    torch.accelerator.current_accelerator = lambda *args, **kwargs: torch.device("cpu")
+    from torch.distributed import device_mesh
+
+    splits = []
+    real_split = device_mesh.split_group
+
+    def counted_split(*args, **kwargs):
+        splits.append(kwargs.get("split_ranks"))
+        return real_split(*args, **kwargs)
+
+    device_mesh.split_group = counted_split
+    init(rank, world, store)
+    dist.distributed_c10d._get_default_group().bound_device_id = torch.device("cpu", 0)
+    pairs = dist.split_group(split_ranks=[[0, 1], [2, 3]],
+                             timeout=datetime.timedelta(seconds=20))
+    t = torch.full((4,), float(rank + 1))
+    dist.all_reduce(t, group=pairs)
+    pair_info = (dist.get_backend(pairs), pairs.size(), dist.get_rank(pairs), t.tolist())
+    mesh = device_mesh.init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    sums = {}
+    for dim in ("dp", "tp"):
+        group = mesh[dim].get_group()
+        u = torch.tensor([float(10 ** rank)], dtype=torch.float64)
+        dist.all_reduce(u, group=group)
+        sums[dim] = (dist.get_backend(group), dist.get_process_group_ranks(group), u.item())
+    dist.destroy_process_group()
+    return pair_info, sums, splits
+
+
+def test_dist_split_group_and_device_mesh(tmp_path):
+    """torch's dist.split_group (it deep-copies the parent backend's options) and a 2x2
+    DeviceMesh made by splitting the default group, each checked with an all-reduce whose sum
+    tells which ranks took part."""
+    results = run_ranks(_dist_split_and_mesh, 4, tmp_path)
+    for rank, (pair_info, sums, splits) in enumerate(values(results)):
+        pair = [0, 1] if rank < 2 else [2, 3]
+        assert pair_info == ("ringreduce", 2, rank % 2, [float(sum(r + 1 for r in pair))] * 4)
+        assert splits == [[[0, 2], [1, 3]], [[0, 1], [2, 3]]], splits
+        dp = [rank % 2, rank % 2 + 2]
+        tp = [rank // 2 * 2, rank // 2 * 2 + 1]
+        assert sums == {"dp": ("ringreduce", dp, float(sum(10 ** r for r in dp))),
+                        "tp": ("ringreduce", tp, float(sum(10 ** r for r in tp)))}, sums
+    assert not segments_of(results.pids), f"left in /dev/shm: {segments_of(results.pids)}"
+
+
 # ---------------------------------------------------------------------------------------
 # Shrinking: a rank dies in DDP training, the others shrink and finish.
 
@@ -114,6 +165,10 @@ def _shrink_in_training(rank, world, store, state_path, flags):
     opt = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)
     model = DDP(net)
     names = [ringreduce_comm_name()]
+    # What torch takes the group's backend for ("custom", as for every plugin): the shrunk
+    # group must be taken for the same, not for gloo (DDP's logger then casts it to
+    # ProcessGroupGloo: a SIGSEGV on torch 2.14.1).
+    kinds = [dist.group.WORLD._get_backend_name()]
     saved = _state(net, opt)
     step = 0
     noticed = None
@@ -133,12 +188,14 @@ def _shrink_in_training(rank, world, store, state_path, flags):
             new = dist.shrink_group([2], shrink_flags=flags)
             world = new.size()
             names.append(ringreduce_comm_name())
+            kinds.append(new._get_backend_name())
             model = DDP(net, process_group=new)
             continue
         saved = _state(net, opt)
         step += 1
     out = {"noticed": noticed, "params": [p.detach().numpy().copy() for p in net.parameters()],
-           "rank": dist.get_rank(), "world": dist.get_world_size(), "names": names}
+           "rank": dist.get_rank(), "world": dist.get_world_size(), "names": names,
+           "kinds": kinds}
     dist.destroy_process_group()
     out["left"] = [f for n in names for f in _shm_of(n)]
     return out
@@ -181,6 +238,7 @@ def _check_shrink(tmp_path, flags):
             assert (got == ref).all(), f"rank {rank} parameter {i} differs from a 2-rank run"
         assert not out["left"], f"left in /dev/shm: {out['left']}"
         assert len(out["names"]) == 2 and out["names"][0] != out["names"][1]
+        assert out["kinds"][1] == out["kinds"][0] != "gloo", out["kinds"]
     for a, b in zip(survivors[0]["params"], survivors[1]["params"]):
         assert (a == b).all()
 

@@ -4,6 +4,7 @@
 #include <torch/csrc/distributed/c10d/Backend.hpp>
 #include <torch/csrc/distributed/c10d/Store.hpp>
 #include <torch/csrc/distributed/c10d/Work.hpp>
+#include <pybind11/chrono.h>
 
 #include <algorithm>
 #include <cctype>
@@ -1200,6 +1201,11 @@ void bind_backend(py::module& m) {
            py::arg("async_engine") = true, py::arg("store") = py::none())
       .def_property_readonly("comm", &RingReduceBackend::comm,
                              "The executor object (a Comm, or a HierarchicalComm across hosts).")
+      .def_property_readonly(
+          "timeout",
+          [](RingReduceBackend& b) { return b.getBackendOptions()->timeout; },
+          "The group's timeout (a timedelta); ringreduce.distributed builds the backend's "
+          "options (what dist.split_group copies) from it.")
       .def_property_readonly("failed", &RingReduceBackend::is_failed)
       .def_property_readonly("failure", &RingReduceBackend::failure);
   m.def("shutdown_all", &shutdown_all, py::arg("grace"),

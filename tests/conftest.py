@@ -1,4 +1,4 @@
-"""Rules of this suite (tests/README.md says the same at more length; keep new tests to them).
+"""Rules of this suite (keep new tests to them).
 
 1. A check must be able to fail. Make every new check fail once on a planted bug before you
    trust it. No check that compares a value with itself or with something that differs anyway.

@@ -23,7 +23,6 @@ Knobs (environment):
 import fcntl
 import glob
 import hashlib
-import importlib
 import importlib.machinery
 import importlib.util
 import os
@@ -119,23 +118,36 @@ def source_dir():
 
 
 def load_extension(name):
-    """``ringreduce.<name>``: the one setup.py built, else compiled on first use (cached)."""
+    """``ringreduce.<name>``: the one setup.py built beside this file, else compiled on first
+    use (cached)."""
     full = f"{PACKAGE}.{name}"
-    if full in sys.modules:
-        return sys.modules[full]
-    import torch  # noqa: F401  (the extension links against libtorch, which this loads)
+    module = sys.modules.get(full)
+    if module is None:
+        import torch  # noqa: F401  (the extension links against libtorch, which this loads)
 
+        module = _load_prebuilt(name, full) or _jit_load(name, full)
+        setattr(sys.modules[PACKAGE], name, module)
+    return module
+
+
+def _load_prebuilt(name, full):
+    """The library setup.py built in this package's directory, or None. Looked for there
+    rather than imported by name: an editable install's import hook would find the one of
+    another source tree."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    for suffix in importlib.machinery.EXTENSION_SUFFIXES:
+        path = os.path.join(here, name + suffix)
+        if os.path.isfile(path):
+            break
+    else:
+        return None
     try:
-        return importlib.import_module(full)
-    except ModuleNotFoundError as exc:
-        if exc.name != full:
-            raise
+        return _import_from(path, full)
     except ImportError as exc:
         raise BuildError(
-            f"{PACKAGE}: the prebuilt {full} does not load ({exc}). It was probably built "
+            f"{PACKAGE}: the prebuilt {path} does not load ({exc}). It was probably built "
             "against another torch than this one; rebuild it (scripts/setup.sh or `pip install "
             "--no-build-isolation -e .`), or delete it to have it compiled on import") from exc
-    return _jit_load(name, full)
 
 
 def _check_torch():

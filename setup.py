@@ -56,8 +56,7 @@ def make_extensions():
         print("setup.py: no torch in the build environment: installing the package only; the "
               "first `import ringreduce` compiles the extension against the torch it finds")
         return [], None
-    release = tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2])
-    if release < build.MIN_TORCH:
+    if build.torch_too_old(torch.__version__):
         raise SystemExit(f"ringreduce needs torch>={build.MIN_TORCH[0]}.{build.MIN_TORCH[1]}; "
                          f"the build environment has torch {torch.__version__}")
     cuda = (not build.env_flag("RINGREDUCE_FORCE_CPU") and torch.version.cuda is not None

@@ -153,12 +153,16 @@ def _load_prebuilt(name, full):
 def _check_torch():
     import torch
 
-    version = torch.__version__
-    release = tuple(int(p) for p in str(version).split("+")[0].split(".")[:2])
-    if release < MIN_TORCH:
+    if torch_too_old(torch.__version__):
         raise BuildError(f"{PACKAGE} needs torch>={MIN_TORCH[0]}.{MIN_TORCH[1]}; this Python has "
-                         f"torch {version} (pip install 'torch>={MIN_TORCH[0]}.{MIN_TORCH[1]}')")
+                         f"torch {torch.__version__} "
+                         f"(pip install 'torch>={MIN_TORCH[0]}.{MIN_TORCH[1]}')")
     return torch
+
+
+def torch_too_old(version):
+    """Whether torch `version` ("2.13.0+cpu", "2.14.0.dev20260101") is older than MIN_TORCH."""
+    return tuple(int(p) for p in str(version).split("+")[0].split(".")[:2]) < MIN_TORCH
 
 
 def _find_ninja():

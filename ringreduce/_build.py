@@ -211,10 +211,11 @@ def _cache_root():
     return root
 
 
-def _build_dir(name, torch, cuda, flags, csrc, cxx, nvcc):
-    """One directory per torch version, Python, flags, compilers and source tree."""
+def _build_dir(name, torch, cuda, flags, sources, cxx, nvcc):
+    """One directory per torch version, Python, flags, compilers and list of sources (a file
+    added to the tree is a new build: ninja, run on the old build file, would not see it)."""
     kind = f"cu{torch.version.cuda.replace('.', '')}" if cuda else "cpu"
-    key = repr((flags, csrc, cxx, nvcc, sys.version, sysconfig.get_config_var("EXT_SUFFIX")))
+    key = repr((flags, sources, cxx, nvcc, sys.version, sysconfig.get_config_var("EXT_SUFFIX")))
     digest = hashlib.sha256(key.encode()).hexdigest()[:12]
     tag = f"torch{torch.__version__.replace('+', '-')}-py{sys.version_info[0]}{sys.version_info[1]}"
     return os.path.join(_cache_root(), f"{tag}-{kind}-{digest}", name)
@@ -278,7 +279,7 @@ def _jit_load(name, full):
     csrc = source_dir()
     sources = compiled_sources(name, csrc, cuda)
     nvcc = os.path.join(cpp_extension.CUDA_HOME, "bin", "nvcc") if cuda else None
-    build_dir = _build_dir(name, torch, cuda, flags, csrc, cxx, nvcc)
+    build_dir = _build_dir(name, torch, cuda, flags, sources, cxx, nvcc)
     os.makedirs(build_dir, exist_ok=True)
     if ninja_dir not in os.environ.get("PATH", "").split(os.pathsep):
         # torch runs `ninja` from PATH

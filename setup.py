@@ -1,104 +1,85 @@
-"""Builds ringreduce's extensions.
+"""Builds ringreduce's extensions (the metadata is in pyproject.toml).
 
-CUDA build when torch has CUDA and nvcc is found, CPU-only otherwise. Knobs (environment):
-  RINGREDUCE_FORCE_CPU=1           CPU-only build even where CUDA is available
-  RINGREDUCE_CUDA_ARCH_LIST="8.0;9.0"  compute capabilities to compile for (default 8.0;9.0);
-                                   PTX for the newest is embedded too, for newer GPUs
-  RINGREDUCE_DEBUG=1               -O0 -g (and -lineinfo -G for device code)
-  NVCC_THREADS=4                   nvcc --threads
-Install without build isolation (torch must already be installed):
-  pip install --no-build-isolation --use-pep517 -e .
+Where torch is importable at build time (`pip install --no-build-isolation ...`, as
+scripts/setup.sh runs it), both extensions are compiled here, against that torch: CUDA where torch
+has CUDA and nvcc is found, CPU-only otherwise. In pip's default isolated build environment there
+is no torch (none is listed in pyproject.toml's build requirements: a CUDA torch is gigabytes),
+so only the package is installed and the first `import ringreduce` compiles the extension
+against the torch it finds (ringreduce/_build.py). Either way the wheel carries the sources,
+under ringreduce/_csrc. Sources, flags and knobs: ringreduce/_build.py.
 """
-import glob
+import importlib.util
 import os
+import shutil
 
-from setuptools import find_packages, setup
-from torch.utils import cpp_extension
+from setuptools import setup
+from setuptools.command.build_py import build_py
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
 
 
-def env_flag(name):
-    return os.environ.get(name, "0").strip().lower() not in ("", "0", "false", "no", "off")
+def _load_build_module():
+    """ringreduce/_build.py alone (importing the package would import torch and the extension)."""
+    path = os.path.join(ROOT, "ringreduce", "_build.py")
+    spec = importlib.util.spec_from_file_location("_ringreduce_build", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
-def want_cuda():
-    if env_flag("RINGREDUCE_FORCE_CPU"):
-        return False
-    import torch
-
-    return torch.version.cuda is not None and cpp_extension.CUDA_HOME is not None
+build = _load_build_module()
 
 
-def arch_list():
-    raw = os.environ.get("RINGREDUCE_CUDA_ARCH_LIST", "8.0;9.0")
-    archs = [a.strip() for a in raw.replace(",", ";").replace(" ", ";").split(";") if a.strip()]
-    for a in archs:
-        major, _, minor = a.partition(".")
-        if not (major.isdigit() and minor.rstrip("af").isdigit()):
-            raise SystemExit(f"RINGREDUCE_CUDA_ARCH_LIST: '{a}' is not a compute capability like 8.0")
-    return archs
+class BuildPyWithSources(build_py):
+    """Ships csrc/ inside the package as ringreduce/_csrc, for a first-import compile."""
 
-
-def gencode_flags(archs):
-    flags = []
-    for a in archs:
-        cc = a.replace(".", "")
-        flags.append(f"-gencode=arch=compute_{cc},code=sm_{cc}")
-    newest = max(archs, key=lambda a: tuple(int(x.rstrip("af") or 0) for x in a.split(".")))
-    newest = newest.replace(".", "")
-    flags.append(f"-gencode=arch=compute_{newest},code=compute_{newest}")
-    return flags
-
-
-def sources(*patterns):
-    out = []
-    for p in patterns:
-        out.extend(sorted(glob.glob(os.path.join("csrc", p))))
-    return out
+    def run(self):
+        super().run()
+        if self.editable_mode:
+            return  # the editable package finds csrc/ beside itself
+        target = os.path.join(self.build_lib, build.PACKAGE, "_csrc")
+        for folder, _, files in os.walk(os.path.join(ROOT, "csrc")):
+            for f in files:
+                if f.endswith(build.SOURCE_SUFFIXES):
+                    src = os.path.join(folder, f)
+                    dst = os.path.join(target, os.path.relpath(src, os.path.join(ROOT, "csrc")))
+                    os.makedirs(os.path.dirname(dst), exist_ok=True)
+                    shutil.copy2(src, dst)
 
 
 def make_extensions():
-    cuda = want_cuda()
-    debug = env_flag("RINGREDUCE_DEBUG")
-    # No -std flag: torch's build adds the standard its headers need (C++17 or C++20).
-    cxx = ["-O0", "-g"] if debug else ["-O3"]
-    macros = [("RINGREDUCE_DEBUG", None)] if debug else []
-    nvcc = ["-O0", "-g", "-G", "-lineinfo"] if debug else ["-O3"]
-    if cuda:
-        archs = arch_list()
-        # Passed as a bare token (80_90): quotes and semicolons do not survive the build's shell.
-        macros += [("RINGREDUCE_WITH_CUDA", None),
-                   ("RINGREDUCE_ARCHS", "_".join(a.replace(".", "") for a in archs))]
-        nvcc += gencode_flags(archs) + ["--threads", os.environ.get("NVCC_THREADS", "4")]
+    """(extensions, build_ext command) against the installed torch; ([], None) without one."""
+    try:
+        import torch
+        from torch.utils import cpp_extension
+    except ImportError:
+        print("setup.py: no torch in the build environment: installing the package only; the "
+              "first `import ringreduce` compiles the extension against the torch it finds")
+        return [], None
+    if build.torch_too_old(torch.__version__):
+        raise SystemExit(f"ringreduce needs torch>={build.MIN_TORCH[0]}.{build.MIN_TORCH[1]}; "
+                         f"the build environment has torch {torch.__version__}")
+    cuda = (not build.env_flag("RINGREDUCE_FORCE_CPU") and torch.version.cuda is not None
+            and cpp_extension.CUDA_HOME is not None)
+    try:
+        flags = build.build_flags(cuda)
+    except ValueError as exc:
+        raise SystemExit(str(exc)) from exc
+    csrc = os.path.join(ROOT, "csrc")
 
-    def ext(name, srcs, cu_srcs):
-        if cuda:
-            return cpp_extension.CUDAExtension(
-                name, srcs + cu_srcs, include_dirs=[os.path.join(ROOT, "csrc")],
-                define_macros=macros, extra_compile_args={"cxx": cxx, "nvcc": nvcc})
-        return cpp_extension.CppExtension(
-            name, srcs, include_dirs=[os.path.join(ROOT, "csrc")], define_macros=macros,
-            extra_compile_args={"cxx": cxx})
+    def ext(name):
+        # Relative paths: setuptools refuses absolute source paths.
+        srcs = [os.path.relpath(s, ROOT) for s in build.compiled_sources(name, csrc, cuda)]
+        kind = cpp_extension.CUDAExtension if cuda else cpp_extension.CppExtension
+        args = {"cxx": flags["cxx"], "nvcc": flags["nvcc"]} if cuda else {"cxx": flags["cxx"]}
+        return kind(f"{build.PACKAGE}.{name}", srcs, include_dirs=[csrc],
+                    define_macros=flags["macros"], extra_compile_args=args)
 
-    exts = [ext("ringreduce._C", sources("bindings.cpp", "ring/*.cpp"), sources("ring/*.cu"))]
-    if os.path.isdir(os.path.join(ROOT, "csrc", "multiprocess")):
-        exts.append(ext("ringreduce._dist_C",
-                        sources("multiprocess/*.cpp", "ring/cpu_executor.cpp"),
-                        sources("multiprocess/*.cu", "ring/cuda_kernels.cu")))
-    return exts
+    return [ext(name) for name in build.EXTENSIONS], cpp_extension.BuildExtension
 
 
-setup(
-    name="ringreduce",
-    version="0.1.0",
-    description="Ring all-reduce over peer-to-peer GPU copies, as a PyTorch extension",
-    packages=find_packages(include=["ringreduce", "ringreduce.*"]),
-    ext_modules=make_extensions(),
-    cmdclass={"build_ext": cpp_extension.BuildExtension},
-    python_requires=">=3.9",
-    # The progress bars of python -m ringreduce.train and bench/ (they run without it). torch
-    # is not listed: the build uses the torch already installed.
-    install_requires=["tqdm"],
-    zip_safe=False,
-)
+extensions, build_ext = make_extensions()
+commands = {"build_py": BuildPyWithSources}
+if build_ext is not None:
+    commands["build_ext"] = build_ext
+setup(ext_modules=extensions, cmdclass=commands)

@@ -66,6 +66,7 @@ import atexit
 import datetime
 import os
 import secrets
+import sys
 
 import torch
 import torch.distributed as dist
@@ -129,9 +130,10 @@ def _keep_shrunk_backend_type():
 
 
 def _shutdown_at_exit():
-    from . import _dist_C
-
-    _dist_C.shutdown_all(EXIT_GRACE_S)
+    # Only where the backend's extension was loaded: at exit, nothing is compiled or loaded.
+    _dist_C = sys.modules.get(__package__ + "._dist_C")
+    if _dist_C is not None:
+        _dist_C.shutdown_all(EXIT_GRACE_S)
 
 
 def backend_of(group=None):

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Compile-only check of every CUDA source (csrc/**/*.cu) with nvcc, no GPU needed: for sm_90 and
-# the architectures setup.py builds by default (its RINGREDUCE_CUDA_ARCH_LIST default, with the
-# newest also as PTX, as setup.py embeds it), in C++17 (the torch-free layer's standard) and
+# the architectures the build compiles by default (DEFAULT_CUDA_ARCHS in ringreduce/_build.py,
+# with the newest also as PTX, as the build embeds it), in C++17 (the torch-free layer's standard) and
 # C++20 (what torch's cpp_extension passes to nvcc), with every warning an error: nvcc's own,
 # the host compiler's (-Wall) and ptxas's.
 #   PTXAS_LOG=FILE  also writes ptxas's resource usage (-Xptxas -v, the C++20 pass) to FILE, for
@@ -11,8 +11,9 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 NVCC=${NVCC:-$(command -v nvcc || echo /usr/local/cuda/bin/nvcc)}
 [ -x "$NVCC" ] || { echo "compile_cuda: nvcc not found (set NVCC=...)" >&2; exit 1; }
-default_archs=$(sed -n 's/.*"RINGREDUCE_CUDA_ARCH_LIST", "\([^"]*\)".*/\1/p' setup.py | head -n 1)
-[ -n "$default_archs" ] || { echo "compile_cuda: no default arch list found in setup.py" >&2; exit 1; }
+# The default arch list of the extension's build (setup.py and the first-import compile use it).
+default_archs=$(sed -n 's/^DEFAULT_CUDA_ARCHS = "\([^"]*\)".*/\1/p' ringreduce/_build.py | head -n 1)
+[ -n "$default_archs" ] || { echo "compile_cuda: no DEFAULT_CUDA_ARCHS found in ringreduce/_build.py" >&2; exit 1; }
 archs=$(printf '%s\n' 9.0 ${CUDA_ARCHS:-${default_archs//;/ }} | sort -u -t. -k1,1n -k2,2n)
 gencode=()
 token=""

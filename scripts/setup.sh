@@ -13,6 +13,10 @@ for mod in ninja pytest numpy expecttest; do
 done
 # pytest-timeout bounds every test (tests/conftest.py gives each one a timeout).
 $PY -c "import pytest_timeout" 2>/dev/null || missing+=("pytest-timeout")
+# pyproject.toml's build requirement, which a build without isolation takes from this
+# environment (older setuptools rejects pyproject.toml's SPDX license string).
+$PY -c "import setuptools, sys; sys.exit(int(setuptools.__version__.split('.')[0]) < 77)" \
+  2>/dev/null || missing+=("setuptools>=77")
 if [ ${#missing[@]} -gt 0 ]; then
   echo "setup: installing ${missing[*]}"
   $PY -m pip install -q "${missing[@]}"
@@ -25,6 +29,8 @@ if ! $PY -c "import tqdm" 2>/dev/null; then
     || echo "setup: warning: tqdm could not be installed; the trainer and bench/ run without bars" >&2
 fi
 
-# No build isolation: the build needs the installed torch, and must work without network.
+# No build isolation: the build compiles both extensions against the installed torch now (a
+# plain `pip install -e .` would leave that to the first import; README, Install), and must
+# work without network.
 $PY -m pip install -q --no-build-isolation --no-deps --use-pep517 -e .
 $PY -c "import ringreduce, json; print('setup: ringreduce', json.dumps(ringreduce.build_info()))"

@@ -3,7 +3,7 @@
 # (10 minutes a command, 30-45 minutes a session, the machine kept only ~30 s between calls):
 #   bash scripts/gpu_check.sh PHASE...      (docs/GPU_SESSION.md plans a session)
 # Phases, each small enough for one call beside the build:
-#   build     scripts/setup.sh (sm_90); skipped when this tree's csrc/ and setup.py were built
+#   build     scripts/setup.sh (sm_90); skipped when this tree's csrc/, setup.py and ringreduce/_build.py were built
 #             already on this machine (a call made while the last one's machine is still warm)
 #   smoke     import, build_info, all_reduce on cuda:0 against a float64 reference: ring,
 #             one-shot, staged (copy) hops; 2 and 4 simulated ranks
@@ -109,7 +109,7 @@ train() {
 # keeps ignored build outputs between calls while it stays warm).
 build() {
   local want
-  want=$(cat setup.py $(find csrc -type f | sort) | sha1sum | cut -c1-40)
+  want=$(cat setup.py ringreduce/_build.py $(find csrc -type f | sort) | sha1sum | cut -c1-40)
   if [ "$(cat build/gpu_check.stamp 2>/dev/null)" = "$want" ] &&
      python3 -c "import ringreduce, sys; sys.exit(not ringreduce.build_info()['cuda'])"; then
     echo "gpu_check: build of $want is up to date; not rebuilt"

@@ -4,7 +4,8 @@
 #   bash scripts/gpu_check.sh PHASE...      (docs/GPU_SESSION.md plans a session)
 # Phases, each small enough for one call beside the build:
 #   build     scripts/setup.sh (sm_90); skipped when this tree's csrc/, setup.py and
-#             ringreduce/_build.py were built already on this machine (a call made while the last one's machine is still warm)
+#             ringreduce/_build.py were built already on this machine (a call made while the
+#             last one's machine is still warm)
 #   smoke     import, build_info, all_reduce on cuda:0 against a float64 reference: ring,
 #             one-shot, staged (copy) hops; 2 and 4 simulated ranks
 #   core      the list API's GPU tests (tests/test_cuda.py)

@@ -187,6 +187,60 @@ def test_barrier_timeout_text_matches_torch(tmp_path):
     assert "barrier" in msg and "timed out after" in msg and "rank 1" in msg, msg
 
 
+def _profiled(rank, world, store):
+    """Collectives under torch.profiler; returns the ringreduce events: (name, input shapes,
+    is_async), in the order they began."""
+    init(rank, world, store)
+    t = torch.arange(6, dtype=torch.float32).reshape(2, 3) + rank
+    b = torch.full((5,), float(rank))
+    g_in = torch.full((4, 2), float(rank))
+    outs = [torch.empty(4, 2) for _ in range(world)]
+    p2p = torch.full((3,), float(rank))
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    with torch.profiler.profile(activities=activities, record_shapes=True) as prof:
+        dist.all_reduce(t)
+        dist.broadcast(b, 0)
+        dist.all_gather(outs, g_in, async_op=True).wait()
+        if rank == 0:
+            dist.recv(p2p)  # from any rank: torch's recvAnySource
+        else:
+            dist.send(p2p, 0)
+    dist.barrier()  # outside the profiler: not recorded
+    dist.destroy_process_group()
+    events = sorted((e.time_range.start, e.name, e.input_shapes, e.is_async)
+                    for e in prof.events() if e.name.startswith("ringreduce"))
+    return [e[1:] for e in events]
+
+
+def test_profiler_records_ringreduce_events_with_shapes(tmp_path):
+    """torch.profiler shows each collective as "ringreduce:<op>" with its input shapes, as it
+    shows gloo's "gloo:<op>" (the suite's call_dist_op checks these too: scripts/torch_suite.py
+    adds ringreduce to its profiling lists)."""
+    results = values(run_ranks(_profiled, 2, tmp_path))
+    for rank, events in enumerate(results):
+        p2p = ("ringreduce:recvAnySource" if rank == 0 else "ringreduce:send", [[3]], True)
+        assert events == [("ringreduce:all_reduce", [[2, 3]], True),
+                          ("ringreduce:broadcast", [[5]], True),
+                          ("ringreduce:all_gather", [[4, 2]], True), p2p], (rank, events)
+
+
+def _any_source_timeout(rank, world, store):
+    init(rank, world, store, timeout=2.0)
+    if rank == 1:
+        time.sleep(4.0)  # alive, but never sends: rank 0's receive times out
+        return None
+    try:
+        dist.recv(torch.zeros(3))
+    except RuntimeError as e:
+        return str(e)
+    return "no error"
+
+
+def test_any_source_receive_errors_name_recv_any_source(tmp_path):
+    msg = values(run_ranks(_any_source_timeout, 2, tmp_path))[0]
+    assert msg.startswith("ringreduce: recvAnySource #") and " timed out " in msg, msg
+
+
 def test_runner_widens_the_gloo_gates():
     """The runner runs sparse all-reduce (gloo-only in torch) on ringreduce, and it passes."""
     cmd = [sys.executable, os.path.join(ROOT, "scripts", "torch_suite.py"), "--backend",

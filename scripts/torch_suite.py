@@ -341,6 +341,9 @@ def main():
                         help="run gloo, then ringreduce; list the gap; exit 1 if there is one")
     parser.add_argument("--gloo-json", help="with --compare: gloo's results from an earlier run")
     parser.add_argument("--ringreduce-json", help="with --compare: ringreduce's earlier results")
+    parser.add_argument("--known-gaps", default=KNOWN_GAPS_FILE, metavar="FILE",
+                        help="with --compare: the list of known gaps (default "
+                        "scripts/torch_suite_known_gaps.txt)")
     parser.add_argument("--strict", action="store_true",
                         help="with --compare: known gaps fail the run too")
     args = parser.parse_args()
@@ -363,16 +366,16 @@ def main():
     for out in runs.values():
         print_summary(out)
     missing = gap(runs["gloo"], runs[PLUGIN])
-    known = read_excluded(KNOWN_GAPS_FILE)
+    known = read_excluded(args.known_gaps)
     print(f"# gap: {len(missing)} tests (gloo status, ringreduce status), "
-          f"{len(set(missing) & set(known))} of them known (scripts/torch_suite_known_gaps.txt)")
+          f"{len(set(missing) & set(known))} of them known ({os.path.relpath(args.known_gaps)})")
     for name, (g, r, note) in sorted(missing.items()):
         tag = "KNOWN" if name in known else "GAP"
         print(f"{tag:8} {name}: gloo {g}, ringreduce {r}{'  ' + note if note else ''}")
     # A known gap that ran and is gone: the list must say so (remove it there).
     closed = sorted(n for n in known if runs[PLUGIN]["results"].get(n, {}).get("status") == "PASS")
     for name in closed:
-        print(f"CLOSED   {name}: passes now; remove it from scripts/torch_suite_known_gaps.txt")
+        print(f"CLOSED   {name}: passes now; remove it from {os.path.relpath(args.known_gaps)}")
     unknown = set(missing) - set(known)
     if not all(out.get("complete", True) for out in runs.values()):
         print("# a run was cut short: the comparison is incomplete")

@@ -232,7 +232,7 @@ class RingReduceBackend final : public c10d::Backend {
     auto tr = g_->transport;
     return submit(name, OpType::ALLREDUCE, [tr, t, op] {
       contiguous_do(t, [&](const at::Tensor& c) { tr->all_reduce(c, op); });
-    }, tensors, {t}, opts.asyncOp);
+    }, tensors, {t}, {t}, opts.asyncOp);
   }
 
   c10::intrusive_ptr<c10d::Work> allreduce_coalesced(
@@ -244,7 +244,7 @@ class RingReduceBackend final : public c10d::Backend {
     std::vector<at::Tensor> ts = tensors;
     return submit(name, OpType::ALLREDUCE_COALESCED, [tr, ts, op] {
       fused_all_reduce(*tr, ts, op);
-    }, tensors, ts, opts.asyncOp);
+    }, tensors, ts, ts, opts.asyncOp);
   }
 
   c10::intrusive_ptr<c10d::Work> reduce(std::vector<at::Tensor>& tensors,
@@ -263,7 +263,7 @@ class RingReduceBackend final : public c10d::Backend {
       } else {
         tr->all_reduce(t.clone(at::MemoryFormat::Contiguous), op);
       }
-    }, tensors, {t}, opts.asyncOp);
+    }, tensors, {t}, {t}, opts.asyncOp);
   }
 
   c10::intrusive_ptr<c10d::Work> broadcast(std::vector<at::Tensor>& tensors,
@@ -276,7 +276,7 @@ class RingReduceBackend final : public c10d::Backend {
     auto tr = g_->transport;
     return submit(name, OpType::BROADCAST, [tr, t, root] {
       contiguous_do(t, [&](const at::Tensor& c) { tr->broadcast(c, root); });
-    }, tensors, {t}, opts.asyncOp);
+    }, tensors, {t}, {t}, opts.asyncOp);
   }
 
   c10::intrusive_ptr<c10d::Work> allgather(std::vector<std::vector<at::Tensor>>& output_tensors,
@@ -290,7 +290,7 @@ class RingReduceBackend final : public c10d::Backend {
     std::vector<at::Tensor> touched = outs;
     touched.push_back(t);
     return submit(name, OpType::ALLGATHER, [tr, outs, t] { gather_into(*tr, outs, t); },
-                  flat(output_tensors), touched, opts.asyncOp);
+                  flat(output_tensors), touched, {t}, opts.asyncOp);
   }
 
   c10::intrusive_ptr<c10d::Work> allgather_coalesced(
@@ -324,7 +324,7 @@ class RingReduceBackend final : public c10d::Backend {
     touched.insert(touched.end(), ins.begin(), ins.end());
     return submit(name, OpType::ALLGATHER_COALESCED, [tr, per_input, ins, n] {
       fused_all_gather(*tr, per_input, ins, n);
-    }, flat(output_lists), touched, opts.asyncOp);
+    }, flat(output_lists), touched, ins, opts.asyncOp);
   }
 
   c10::intrusive_ptr<c10d::Work> _allgather_base(at::Tensor& output, at::Tensor& input,
@@ -336,7 +336,7 @@ class RingReduceBackend final : public c10d::Backend {
     at::Tensor out = output, in = input;
     return submit(name, OpType::_ALLGATHER_BASE, [tr, out, in, n] {
       gather_flat(*tr, out, in, n);
-    }, {output}, {output, input}, opts.asyncOp);
+    }, {output}, {output, input}, {input}, opts.asyncOp);
   }
 
   c10::intrusive_ptr<c10d::Work> allgather_into_tensor_coalesced(
@@ -363,7 +363,7 @@ class RingReduceBackend final : public c10d::Backend {
       for (size_t i = 0; i < outs.size(); ++i) {
         if (!dense[i].is_same(outs[i])) outs[i].copy_(dense[i]);
       }
-    }, outputs, touched, opts.asyncOp);
+    }, outputs, touched, inputs, opts.asyncOp);
   }
 
   c10::intrusive_ptr<c10d::Work> reduce_scatter(std::vector<at::Tensor>& output_tensors,
@@ -391,7 +391,7 @@ class RingReduceBackend final : public c10d::Backend {
     auto tr = g_->transport;
     return submit(name, OpType::REDUCE_SCATTER, [tr, output, flat_in, op] {
       reduce_scatter_flat(*tr, output, flat_in, op);
-    }, output_tensors, {output, flat_in}, opts.asyncOp);
+    }, output_tensors, {output, flat_in}, inputs, opts.asyncOp);
   }
 
   c10::intrusive_ptr<c10d::Work> _reduce_scatter_base(
@@ -404,7 +404,7 @@ class RingReduceBackend final : public c10d::Backend {
     at::Tensor out = output;
     return submit(name, OpType::_REDUCE_SCATTER_BASE, [tr, out, flat_in, op] {
       reduce_scatter_flat(*tr, out, flat_in, op);
-    }, {output}, {output, input}, opts.asyncOp);
+    }, {output}, {output, input}, {input}, opts.asyncOp);
   }
 
   c10::intrusive_ptr<c10d::Work> reduce_scatter_tensor_coalesced(
@@ -425,7 +425,7 @@ class RingReduceBackend final : public c10d::Backend {
     const int n = size_;
     return submit("reduce_scatter_tensor_coalesced", OpType::REDUCE_SCATTER_TENSOR_COALESCED,
                   [tr, outs, flats, op, n] { fused_reduce_scatter(*tr, outs, flats, op, n); },
-                  outputs, touched, opts.asyncOp);
+                  outputs, touched, inputs, opts.asyncOp);
   }
 
   c10::intrusive_ptr<c10d::Work> barrier(const c10d::BarrierOptions& opts) override {
@@ -435,8 +435,8 @@ class RingReduceBackend final : public c10d::Backend {
     if (engine_->used_cuda()) device = barrier_device(opts);
 #endif
     auto tr = g_->transport;
-    return submit("barrier", OpType::BARRIER, [tr] { tr->barrier(); }, {}, {}, opts.asyncOp,
-                  device, /*drain_gpu=*/true);
+    return submit("barrier", OpType::BARRIER, [tr] { tr->barrier(); }, {}, {}, {},
+                  opts.asyncOp, device, /*drain_gpu=*/true);
   }
 
 #ifdef RINGREDUCE_WITH_CUDA
@@ -481,7 +481,7 @@ class RingReduceBackend final : public c10d::Backend {
       host_call([&](const std::vector<at::Tensor>& ins, const std::vector<at::Tensor>& o) {
         tr->gather(o, ins[0], root);
       }, {t}, outs);
-    }, flat(output_tensors), touched, opts.asyncOp);
+    }, flat(output_tensors), touched, {t}, opts.asyncOp);
   }
 
   c10::intrusive_ptr<c10d::Work> scatter(std::vector<at::Tensor>& output_tensors,
@@ -501,7 +501,7 @@ class RingReduceBackend final : public c10d::Backend {
       host_call([&](const std::vector<at::Tensor>& i, const std::vector<at::Tensor>& o) {
         tr->scatter(o[0], i, root);
       }, ins, {out});
-    }, output_tensors, touched, opts.asyncOp);
+    }, output_tensors, touched, ins, opts.asyncOp);
   }
 
   c10::intrusive_ptr<c10d::Work> alltoall(std::vector<at::Tensor>& output_tensors,
@@ -537,7 +537,7 @@ class RingReduceBackend final : public c10d::Backend {
       host_call([&](const std::vector<at::Tensor>& i, const std::vector<at::Tensor>& o) {
         tr->all_to_all(o, i);
       }, ins, outs);
-    }, outs, touched, opts.asyncOp);
+    }, outs, touched, ins, opts.asyncOp);
   }
 
   c10::intrusive_ptr<c10d::Work> alltoall_base(at::Tensor& output, at::Tensor& input,
@@ -572,7 +572,7 @@ class RingReduceBackend final : public c10d::Backend {
       host_call([&](const std::vector<at::Tensor>& hi, const std::vector<at::Tensor>& ho) {
         tr->all_to_all(split_rows(ho[0], outs, row), split_rows(hi[0], ins, row));
       }, {in}, {out});
-    }, {output}, {output, input}, opts.asyncOp);
+    }, {output}, {output, input}, {input}, opts.asyncOp);
   }
 
   // ---- point-to-point ----------------------------------------------------------------------
@@ -587,7 +587,7 @@ class RingReduceBackend final : public c10d::Backend {
   }
   c10::intrusive_ptr<c10d::Work> recvAnysource(std::vector<at::Tensor>& tensors,
                                                int tag) override {
-    return p2p("recv", false, tensors, kAnySource, tag, true);
+    return p2p("recvAnySource", false, tensors, kAnySource, tag, true);
   }
 
   // monitored_barrier is gloo's only: torch refuses it on other backends before calling here.
@@ -610,7 +610,7 @@ class RingReduceBackend final : public c10d::Backend {
     auto tr = g_->transport;
     const int n = size_;
     return submit(name, OpType::ALLREDUCE, [tr, t, n] { sparse_sum(*tr, t, n); }, tensors, {t},
-                  async_op);
+                  {t}, async_op);
   }
 
  private:
@@ -908,9 +908,12 @@ class RingReduceBackend final : public c10d::Backend {
 
   // ---- queueing ----------------------------------------------------------------------------
 
+  // outputs: the Work's result; tensors: every tensor it touches; inputs: what the profiler
+  // shows as its input shapes.
   c10::intrusive_ptr<c10d::Work> submit(const char* name, OpType type, std::function<void()> run,
                                         const std::vector<at::Tensor>& outputs,
-                                        const std::vector<at::Tensor>& tensors, bool async_op,
+                                        const std::vector<at::Tensor>& tensors,
+                                        const std::vector<at::Tensor>& inputs, bool async_op,
                                         c10::optional<at::Device> device = c10::nullopt,
                                         bool drain_gpu = false) {
     for (const at::Tensor& t : tensors) {
@@ -928,7 +931,7 @@ class RingReduceBackend final : public c10d::Backend {
       TORCH_CHECK(!shut_, "ringreduce ", name, ": the process group was already destroyed");
     }
     seq_collective_.fetch_add(1);
-    auto work = c10::make_intrusive<RRWork>(g_, name, type, outputs, device);
+    auto work = c10::make_intrusive<RRWork>(g_, name, type, outputs, device, inputs);
     batch_.note(work);
     auto job = std::make_shared<Job>();
     job->work = work;
@@ -1004,7 +1007,8 @@ class RingReduceBackend final : public c10d::Backend {
     c10::optional<at::Device> device;
     if (t.is_cuda()) device = t.device();
     auto work = c10::make_intrusive<RRWork>(g_, name, is_send ? OpType::SEND : OpType::RECV,
-                                            std::vector<at::Tensor>{t}, device);
+                                            std::vector<at::Tensor>{t}, device,
+                                            std::vector<at::Tensor>{t});
     batch_.note(work);
     auto job = std::make_shared<P2PJob>();
     job->work = work;
@@ -1061,7 +1065,8 @@ class RingReduceBackend final : public c10d::Backend {
       host = t.is_contiguous() ? t : at::empty(t.sizes(), t.options());
     }
     auto work = c10::make_intrusive<RRWork>(g_, name, is_send ? OpType::SEND : OpType::RECV,
-                                            std::vector<at::Tensor>{t}, device);
+                                            std::vector<at::Tensor>{t}, device,
+                                            std::vector<at::Tensor>{t});
     // Python objects shared with the waiter thread: created and released under the GIL.
     auto py_deleter = [](py::object* o) {
       if (!Py_IsInitialized()) return;
@@ -1077,14 +1082,15 @@ class RingReduceBackend final : public c10d::Backend {
         posted.reset(new py::object(transport->attr("p2p_start")(is_send, host, p, tag)),
                      py_deleter);
       } catch (py::error_already_set& e) {
-        work->finish(std::make_exception_ptr(std::runtime_error(e.what())));
+        work->finish(
+            std::make_exception_ptr(std::runtime_error(named_error(name, e.what()))));
         return work;
       }
     }
     if (is_send) work->finish(nullptr);
     auto g = g_;
     auto done = std::make_shared<std::atomic<bool>>(false);
-    std::thread waiter([g, work, transport, posted, is_send, peer, tag, host, t, staging,
+    std::thread waiter([g, work, transport, posted, name, is_send, peer, tag, host, t, staging,
                         done] {
       const Finally mark_done([&] { done->store(true, std::memory_order_release); });
       int source = peer;
@@ -1095,7 +1101,7 @@ class RingReduceBackend final : public c10d::Backend {
           py::object p = peer == kAnySource ? py::object(py::none()) : py::object(py::int_(peer));
           source = transport->attr("p2p_wait")(*posted, is_send, p, tag).cast<int>();
         } catch (py::error_already_set& e) {
-          error = e.what();
+          error = named_error(name, e.what());
         }
       }
       if (error.empty() && !is_send && !host.is_same(t)) {

@@ -39,6 +39,13 @@ inline std::string error_text(const std::exception_ptr& e) {
   }
 }
 
+// `text` as an error of ringreduce's `name`: as it is where it names ringreduce already (the
+// Python layers' errors do), else prefixed "ringreduce <name>: " (gloo's, across hosts).
+inline std::string named_error(const std::string& name, const std::string& text) {
+  if (text.find("ringreduce") != std::string::npos) return text;
+  return "ringreduce " + name + ": " + text;
+}
+
 // torch's Python name of a dtype ("float32" for Float), as the Python engine reported it.
 inline std::string torch_dtype_name(at::ScalarType t) {
   switch (t) {

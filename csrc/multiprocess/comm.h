@@ -340,7 +340,7 @@ class __attribute__((visibility("hidden"))) Comm {
   // of `t` must stay alive until its id is reported done. peer -1: any source (receive).
   void p2p_post(uint64_t id, bool send, const at::Tensor& t, int peer, int64_t tag,
                 const std::string& dtype) {
-    const char* fn = send ? "send" : "recv";
+    const char* fn = send ? "send" : peer == rr::dist::kAnySource ? "recvAnySource" : "recv";
     check_host(t, fn, "tensor");
     TORCH_CHECK_VALUE((peer >= 0 && peer < g_.nranks()) || (!send && peer == rr::dist::kAnySource),
                       "ringreduce ", fn, ": peer must be in [0, ", g_.nranks(), "); got ", peer);

@@ -3,6 +3,8 @@
 // Part of the "ringreduce" backend (backend.h describes the whole); only backend.cpp includes it.
 #pragma once
 
+#include <ATen/ThreadLocalState.h>
+#include <ATen/record_function.h>
 #include <torch/csrc/distributed/c10d/Work.hpp>
 #include <torch/extension.h>
 
@@ -62,14 +64,18 @@ struct Group {
 
 class RRWork final : public c10d::Work {
  public:
+  // `inputs`: what the profiler shows as the call's input shapes.
   RRWork(std::shared_ptr<Group> group, std::string name, OpType type,
-         std::vector<at::Tensor> outputs, c10::optional<at::Device> device)
+         std::vector<at::Tensor> outputs, c10::optional<at::Device> device,
+         const std::vector<at::Tensor>& inputs)
       : c10d::Work(group->rank, type),
         group_(std::move(group)),
         name_(std::move(name)),
         outputs_(std::move(outputs)),
         device_(device),
-        level_(Completer::issue_level()) {}
+        level_(Completer::issue_level()) {
+    profile_start(inputs);
+  }
 
   const std::string& name() const { return name_; }
 
@@ -109,6 +115,21 @@ class RRWork final : public c10d::Work {
 
  private:
   enum : int { kPending = 0, kDone = 1, kFailed = 2 };
+  // While torch's profiler records: an event "ringreduce:<name>" with the inputs' shapes, from
+  // the call (this thread) to the collective's end (finish(), any thread), as ProcessGroupGloo
+  // records "gloo:<name>". Checking for callbacks first keeps the unprofiled call free of the
+  // RecordFunction.
+  void profile_start(const std::vector<at::Tensor>& inputs) {
+    c10::optional<at::StepCallbacks> callbacks =
+        at::getStepCallbacksUnlessEmpty(at::RecordScope::USER_SCOPE);
+    if (!callbacks) return;
+    auto record = std::make_shared<at::RecordFunction>(std::move(*callbacks));
+    record->_setAsync();  // it ends on another thread
+    const std::vector<c10::IValue> args(inputs.begin(), inputs.end());
+    record->before("ringreduce:" + name_,
+                   c10::ArrayRef<const c10::IValue>(args.data(), args.size()));
+    recordFunctionEndCallback_ = at::wrapPropagateTLSState([record] { record->end(); });
+  }
   c10::intrusive_ptr<c10::ivalue::Future> make_future() const {
     std::vector<c10::Device> devices;
     if (device_) devices.push_back(*device_);
@@ -151,6 +172,10 @@ class RRWork final : public c10d::Work {
 
 inline void RRWork::finish(std::exception_ptr error) {
   c10::intrusive_ptr<c10::ivalue::Future> fut;
+  if (recordFunctionEndCallback_) {
+    recordFunctionEndCallback_();
+    recordFunctionEndCallback_ = nullptr;
+  }
   {
     const std::lock_guard<std::mutex> held(mu_);
     error_ = error;

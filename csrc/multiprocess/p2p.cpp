@@ -357,13 +357,13 @@ std::string P2P::check_message(const Op& r, int source, const Frame& f) const {
 }
 
 std::string P2P::describe(const Op& op) const {
-  std::string s = op.op.send ? "send #" : "recv #";
+  // A receive from any rank is torch's (and gloo's) recvAnySource.
+  const bool any = !op.op.send && op.op.peer == kAnySource;
+  std::string s = op.op.send ? "send #" : any ? "recvAnySource #" : "recv #";
   s += std::to_string(op.number);
   if (op.op.send) {
     s += " to rank " + std::to_string(op.op.peer);
-  } else if (op.op.peer == kAnySource) {
-    s += " from any rank";
-  } else {
+  } else if (!any) {
     s += " from rank " + std::to_string(op.op.peer);
   }
   return s + " (tag " + std::to_string(op.op.tag) + ", " + std::to_string(op.op.bytes) +

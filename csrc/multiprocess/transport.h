@@ -9,6 +9,7 @@
 #include <utility>
 #include <vector>
 
+#include "backend_common.h"
 #include "comm.h"
 
 namespace rr {
@@ -111,7 +112,7 @@ class PyTransport final : public Transport {
     try {
       o_.attr(name)(std::forward<A>(args)...);
     } catch (py::error_already_set& e) {
-      throw std::runtime_error(e.what());
+      throw std::runtime_error(named_error(name, e.what()));
     }
   }
   void all_reduce(const at::Tensor& t, const std::string& op) override {

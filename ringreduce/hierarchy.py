@@ -512,7 +512,7 @@ class HierarchicalComm:
             if send:
                 what = f"send to {lay.describe_ranks([peer])}"
             elif peer is None:
-                what = "recv from any rank"
+                what = "recvAnySource (a recv from any rank)"
             else:
                 what = f"recv from {lay.describe_ranks([peer])}"
             state = (f"timed out after {self._timeout_s:.1f} s" if "Timed out" in detail

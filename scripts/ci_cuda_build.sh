@@ -15,6 +15,13 @@
 # the fake CUDA runtime. Tests that need a GPU skip with their reason. Left out:
 # tests/test_install.py's fresh-venv test (a new user's CPU install; it is run by the CPU-torch
 # run already).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+export PYTHONUNBUFFERED=1
+export CUDA_HOME=${CUDA_HOME:-/usr/local/cuda}
+export RINGREDUCE_CUDA_ARCH_LIST=${RINGREDUCE_CUDA_ARCH_LIST:-9.0}
+torch_version=${RINGREDUCE_CUDA_TORCH:-2.14.1}
+
 [ -x "$CUDA_HOME/bin/nvcc" ] || { echo "ci_cuda_build: no nvcc at $CUDA_HOME/bin/nvcc" >&2; exit 1; }
 work=${CI_CUDA_WORKDIR:-}
 if [ -z "$work" ]; then

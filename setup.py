@@ -59,8 +59,7 @@ def make_extensions():
     if build.torch_too_old(torch.__version__):
         raise SystemExit(f"ringreduce needs torch>={build.MIN_TORCH[0]}.{build.MIN_TORCH[1]}; "
                          f"the build environment has torch {torch.__version__}")
-    cuda = (not build.env_flag("RINGREDUCE_FORCE_CPU") and torch.version.cuda is not None
-            and cpp_extension.CUDA_HOME is not None)
+    cuda, _ = build.want_cuda(torch, cpp_extension)
     try:
         flags = build.build_flags(cuda)
     except ValueError as exc:

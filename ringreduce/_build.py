@@ -191,7 +191,7 @@ def _check_compiler():
     return cxx
 
 
-def _want_cuda(torch, cpp_extension):
+def want_cuda(torch, cpp_extension):
     """(cuda, why not) for this torch and machine."""
     if env_flag("RINGREDUCE_FORCE_CPU"):
         return False, "RINGREDUCE_FORCE_CPU is set"
@@ -271,7 +271,7 @@ def _jit_load(name, full):
     cxx = _check_compiler()
     from torch.utils import cpp_extension
 
-    cuda, why_cpu = _want_cuda(torch, cpp_extension)
+    cuda, why_cpu = want_cuda(torch, cpp_extension)
     try:
         flags = build_flags(cuda)
     except ValueError as exc:

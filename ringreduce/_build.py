@@ -33,7 +33,7 @@ import sysconfig
 import time
 
 PACKAGE = "ringreduce"
-MIN_TORCH = (2, 13)
+MIN_TORCH = (2, 11)
 DEFAULT_CUDA_ARCHS = "8.0;9.0"
 
 # Sources relative to csrc/: (C++ patterns, CUDA patterns compiled only in a CUDA build).

@@ -1,57 +1,49 @@
 #!/usr/bin/env bash
-# What a session with the GPU machine runs, phase by phase, sized to the device tool's limits
-# (10 minutes a command, 30-45 minutes a session, the machine kept only ~30 s between calls):
-#   bash scripts/gpu_check.sh PHASE...      (docs/GPU_SESSION.md plans a session)
-# Phases, each small enough for one call beside the build:
-#   build     scripts/setup.sh (sm_90); skipped when this tree's csrc/, setup.py and
-#             ringreduce/_build.py were built already on this machine (a call made while the
-#             last one's machine is still warm)
+# What a session with the GPU machine runs, sized to the device tool's limits: 15 minutes of
+# device time in all (the machine's start, 1-2 minutes, included), at most 10 minutes a
+# command, the machine gone ~30 s after a command returns. docs/GPU_SESSION.md plans it.
+#   bash scripts/gpu_check.sh              the first 15 minutes: ONE command, at most 9 minutes
+#   bash scripts/gpu_check.sh PHASE...     the named phases, in order
+# The default is `build smoke first bench gpu`:
+#   build     scripts/setup.sh on every core (MAX_JOBS from nproc), sm_90, bounded by
+#             BUILD_TIMEOUT (300 s); skipped when this tree's csrc/, setup.py and
+#             ringreduce/_build.py were built on this machine already (a warm machine)
 #   smoke     import, build_info, all_reduce on cuda:0 against a float64 reference: ring,
-#             one-shot, staged (copy) hops; 2 and 4 simulated ranks
-#   core      the list API's GPU tests (tests/test_cuda.py)
-#   backend   the torch.distributed backend on CUDA (test_distributed_cuda.py,
-#             test_backend_cuda_streams.py, and -k cuda of
-#             test_distributed.py and test_distributed_surface.py)
-#   review    tests/test_cuda_review.py
-#   clients   -k "cuda or graph" of test_data_parallel.py, test_train.py, test_bench_ring.py
-#   tests     the whole suite (may need more than one call: it stops at its bound)
-#   ring sweep train resnet18 ddp   the benchmarks
-# No argument: build smoke core. Every phase is bounded: by its own limit (build 420 s, smoke
-# 120 s, others PHASE_TIMEOUT, 540 s), by 120 s per test (pytest-timeout), and by what is left
-# of CALL_BUDGET (570 s from the start, under the tool's 600 s): a phase that would get less
-# than 30 s is not started and says so. Logs go to ./gpu-logs (one per phase) and after every
-# phase are packed into $OUT/gpu-logs.tgz with $OUT/summary.txt, one line per phase, so a
-# call that ends early still brings back what finished.
+#             one-shot, ring with a stream per rank, copy hops; 2 and 4 simulated ranks (90 s)
+#   first     scripts/gpu_first.txt: one test of every CUDA path (list API: ring, one-shot,
+#             staged copy, graph replay, 2 and 4 ranks; the backend: 2 and 3 ranks on one GPU,
+#             every collective, DDP steps against gloo, a killed rank)
+#   bench     bench/ring.py, 4 simulated ranks, 8 B..256 MiB, against NCCL (the carried one, below)
+#   gpu       every other GPU test, as far as CALL_BUDGET lets it go
+# Further phases (a later session's): core backend review clients tests ring sweep train
+# resnet18 ddp (docs/GPU_SESSION.md).
+# Bounds: every phase by its own limit and by what is left of CALL_BUDGET (540 s from the
+# start; the tool's own limit is 600 s): a phase left under 30 s is not started and says so.
+# Every test by PER_TEST_TIMEOUT (120 s; tests/conftest.py lets the command line's --timeout
+# apply). No -x: every phase runs all its tests and reports every failure. Logs go to
+# ./gpu-logs (one per phase) and after every phase are packed into $OUT/gpu-logs.tgz beside
+# $OUT/summary.txt (one line per phase), so a command that ends early still brings back what
+# finished.
+# NCCL: torch 2.11's NCCL (2.28.9) refuses several ranks on one GPU; 2.30 accepts them. When
+# .nccl/libnccl.so.2.30.7.xz was carried (scripts/nccl_carry.sh puts it there, git-ignored;
+# the device call names `.nccl` in carry), it is unpacked to /tmp and checked against its
+# SHA256, and the benchmark phases run NCCL from it (RINGREDUCE_NCCL_LIB). A RINGREDUCE_NCCL_LIB
+# set by the caller wins. The tests always run torch's own NCCL.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export out=gpu-logs
 rm -rf "$out" && mkdir -p "$out"
 back=${OUT:-}
 # RINGREDUCE_REQUIRE_CUDA: the GPU tests fail instead of skipping without a GPU or a CUDA build.
-# The build is for sm_90 only unless RINGREDUCE_CUDA_ARCH_LIST says otherwise.
-# Another NCCL than torch's (which may be older than the 2.30 simulated ranks need): get the
-# nvidia-nccl-cu13 wheel's libnccl.so.2 into /tmp/nccl with scripts/nccl_wheel.sh (fetch here,
-# then one device call per piece to append it and one to unpack, while the machine is warm),
-# then RINGREDUCE_NCCL_LIB=/tmp/nccl/nvidia/nccl/lib/libnccl.so.2 bash scripts/gpu_check.sh:
-# every phase runs against it (the benchmarks restart with it in LD_PRELOAD), and nccl.log and
-# the headers say which NCCL ran. A libnccl found in /tmp/nccl is only pointed out, never used
-# unasked.
-wheel_nccl=/tmp/nccl/nvidia/nccl/lib/libnccl.so.2
-if [ -n "${RINGREDUCE_NCCL_LIB:-}" ]; then
-  export RINGREDUCE_NCCL_LIB
-  echo "gpu_check: RINGREDUCE_NCCL_LIB=$RINGREDUCE_NCCL_LIB" | tee "$out/nccl.log"
-elif [ -f "$wheel_nccl" ]; then
-  echo "gpu_check: $wheel_nccl is here but unused; to compare against it:" \
-    "RINGREDUCE_NCCL_LIB=$wheel_nccl bash scripts/gpu_check.sh $*" | tee "$out/nccl.log"
-fi
 export PYTHONUNBUFFERED=1 RINGREDUCE_REQUIRE_CUDA=1 \
   NCCL_MULTI_RANK_GPU_ENABLE=${NCCL_MULTI_RANK_GPU_ENABLE:-1} \
-  RINGREDUCE_CUDA_ARCH_LIST=${RINGREDUCE_CUDA_ARCH_LIST:-9.0}
+  RINGREDUCE_CUDA_ARCH_LIST=${RINGREDUCE_CUDA_ARCH_LIST:-9.0} \
+  MAX_JOBS=${MAX_JOBS:-$(nproc)}
 limit=${PHASE_TIMEOUT:-540}
-budget=${CALL_BUDGET:-570}
-per_test=()
-python3 -c "import pytest_timeout" 2>/dev/null && per_test=(--timeout=120)
-phases=${*:-build smoke core}
+budget=${CALL_BUDGET:-540}
+build_limit=${BUILD_TIMEOUT:-300}
+per_test=(--timeout="${PER_TEST_TIMEOUT:-120}")
+phases=${*:-build smoke first bench gpu}
 status=0
 note() {  # note NAME TEXT: one line in the summary, packed at once
   echo "$1: $2" | tee -a "$out/summary.txt"
@@ -59,33 +51,52 @@ note() {  # note NAME TEXT: one line in the summary, packed at once
 }
 run() {  # run NAME LIMIT CMD...: tee the output to $out/NAME.log and remember a failure
   local name=$1 cap=$2; shift 2
-  local left=$(( budget - SECONDS - 15 ))
+  local left=$(( budget - SECONDS - 10 ))
   if [ "$left" -lt 30 ]; then
     status=1
-    note "$name" "not started: ${left} s left of CALL_BUDGET=${budget} s; run it in the next call"
+    note "$name" "not started: ${left} s left of CALL_BUDGET=${budget} s"
     return
   fi
   [ "$cap" -le "$left" ] || cap=$left
-  echo "== $name (bound ${cap} s): $*" | tee "$out/$name.log"
+  echo "== $name (bound ${cap} s, at ${SECONDS} s): $*" | tee "$out/$name.log"
   if declare -F "$1" > /dev/null; then  # a function of this script: timeout needs a program
-    set -- bash -c "$(declare -f "$1"); $1"
+    set -- bash -c "$(declare -f); \"\$@\"" "$name" "$@"
   fi
   timeout -k 10 "$cap" "$@" 2>&1 | tee -a "$out/$name.log"
   local rc=${PIPESTATUS[0]}
-  echo "== $name exit $rc" | tee -a "$out/$name.log"
+  echo "== $name exit $rc (at ${SECONDS} s)" | tee -a "$out/$name.log"
   [ "$rc" -eq 0 ] || status=1
   local why=""
   [ "$rc" -eq 124 ] || [ "$rc" -eq 137 ] && why=" (stopped at its ${cap} s bound)"
-  note "$name" "exit $rc$why; $(grep -E '(passed|failed|error)(,| in )|Out of bounds|FAILED' \
+  note "$name" "exit $rc$why; $(grep -E '(passed|failed|errors?|skipped)(,| in )|^smoke: ([0-9]+ passed|FAIL)|FAILED' \
     "$out/$name.log" | tail -n 1)"
 }
 pack() {  # everything so far into $OUT, so that a later phase's hang loses nothing
   [ -n "$back" ] || return 0
   tar czf "$back/gpu-logs.tgz" -C "$out" . && cp "$out/summary.txt" "$back/summary.txt"
 }
-# bench/ring.py at several rank counts and settings: time per call from 8 B to 64 KiB (eager
-# and replayed from a CUDA graph) for N = 2, 4, 8; the ring alone at every size
-# (RINGREDUCE_ONESHOT_BYTES=0) against the copy roofline; and the copy transport.
+# The carried NCCL (see the header), unpacked once per machine.
+carried=.nccl/libnccl.so.2.30.7.xz
+if [ -z "${RINGREDUCE_NCCL_LIB:-}" ] && [ -f "$carried" ]; then
+  lib=/tmp/ringreduce-nccl/libnccl.so.2
+  if [ ! -f "$lib" ]; then
+    mkdir -p /tmp/ringreduce-nccl && xz -dc "$carried" > "$lib.part" && mv "$lib.part" "$lib"
+  fi
+  want=$(awk '$2 ~ /libnccl\.so\.2\.30\.7$/ {print $1}' .nccl/SHA256SUMS 2>/dev/null)
+  if [ -n "$want" ] && [ "$(sha256sum < "$lib" | cut -c1-64)" = "$want" ]; then
+    export RINGREDUCE_BENCH_NCCL_LIB=$lib
+    echo "gpu_check: benchmarks run NCCL 2.30.7 from $lib (carried, SHA256 checked)" | tee "$out/nccl.log"
+  else
+    echo "gpu_check: $carried unpacked, but its SHA256 is not .nccl/SHA256SUMS's; not used" | tee "$out/nccl.log"
+  fi
+fi
+bench_nccl() {  # bench_nccl CMD...: CMD with the benchmarks' NCCL
+  if [ -n "${RINGREDUCE_NCCL_LIB:-}" ]; then "$@"
+  elif [ -n "${RINGREDUCE_BENCH_NCCL_LIB:-}" ]; then RINGREDUCE_NCCL_LIB=$RINGREDUCE_BENCH_NCCL_LIB "$@"
+  else "$@"
+  fi
+}
+# bench/ring.py at several rank counts and settings (a later session's phase).
 sweep() {
   local n
   for n in 2 4 8; do
@@ -103,9 +114,10 @@ train() {
     python3 -m ringreduce.train --device cuda:0 --ranks 2 --epochs 1 --allreduce "$a" || return 1
   done
 }
-{ nvidia-smi; nvidia-smi --query-gpu=name,compute_mode --format=csv; date -u;
-  git log -1 --oneline; python3 -c "import torch; print('torch', torch.__version__,
-  'cuda', torch.version.cuda, 'nccl', torch.cuda.nccl.version())"; } > "$out/machine.log" 2>&1
+{ nvidia-smi; nvidia-smi --query-gpu=name,compute_mode,driver_version --format=csv; date -u;
+  git log -1 --oneline; nproc; python3 -c "import torch, setuptools; print('torch', torch.__version__,
+  'cuda', torch.version.cuda, 'nccl', torch.cuda.nccl.version(), 'setuptools', setuptools.__version__)";
+  nvcc --version | tail -n 2; } > "$out/machine.log" 2>&1
 # The build, skipped when this tree's sources were built here already (the device machine
 # keeps ignored build outputs between calls while it stays warm).
 build() {
@@ -117,33 +129,48 @@ build() {
     return 0
   fi
   rm -f build/gpu_check.stamp
+  echo "gpu_check: MAX_JOBS=$MAX_JOBS RINGREDUCE_CUDA_ARCH_LIST=$RINGREDUCE_CUDA_ARCH_LIST"
   bash scripts/setup.sh && mkdir -p build && echo "$want" > build/gpu_check.stamp
 }
 pytest_phase() {  # pytest_phase NAME ARGS...: one bounded pytest run
   local name=$1; shift
-  run "$name" "$limit" python3 -m pytest -q -rs "${per_test[@]}" "$@"
+  run "$name" "$limit" python3 -m pytest -q -rs "${per_test[@]}" -p no:cacheprovider "$@"
 }
+first=()
+while read -r id; do
+  case $id in ''|'#'*) ;; *) first+=("$id") ;; esac
+done < scripts/gpu_first.txt
+# Every GPU test file; `-k` keeps the GPU tests of the files that hold CPU tests too.
+GPU_FILES=(tests/test_cuda.py tests/test_cuda_review.py tests/test_distributed_cuda.py
+           tests/test_backend_cuda_streams.py tests/test_distributed.py
+           tests/test_distributed_surface.py tests/test_data_parallel.py tests/test_train.py
+           tests/test_bench_ring.py tests/test_fused.py)
 for p in $phases; do
   case $p in
-    build) run build 420 build
+    build) run build "$build_limit" build
            [ -f build/gpu_check.stamp ] || { note gpu_check "no build: later phases not run"; exit 1; } ;;
-    smoke) run smoke 120 python3 scripts/gpu_smoke.py ;;
+    smoke) run smoke 90 python3 scripts/gpu_smoke.py ;;
+    first) pytest_phase first "${first[@]}" ;;
+    bench) run bench 120 bench_nccl python3 bench/ring.py --device cuda --ranks 4 --max-bytes 256M \
+             --json "$out/bench.json" ;;
+    gpu) deselect=()
+         for id in "${first[@]}"; do deselect+=(--deselect "$id"); done
+         pytest_phase gpu "${GPU_FILES[@]}" -k "cuda or graph or gpu" "${deselect[@]}" ;;
     core) pytest_phase core tests/test_cuda.py ;;
     backend) pytest_phase backend tests/test_distributed_cuda.py tests/test_backend_cuda_streams.py \
-               tests/test_distributed.py \
-               tests/test_distributed_surface.py -k cuda ;;
+               tests/test_distributed.py tests/test_distributed_surface.py -k cuda ;;
     review) pytest_phase review tests/test_cuda_review.py ;;
     clients) pytest_phase clients tests/test_data_parallel.py tests/test_train.py \
                tests/test_bench_ring.py -k "cuda or graph" ;;
     tests) pytest_phase tests tests ;;
-    ring) run ring "$limit" python3 bench/ring.py --graph --json "$out/ring.json" --plot "$out/ring.png" ;;
-    sweep) run sweep "$limit" sweep ;;
+    ring) run ring "$limit" bench_nccl python3 bench/ring.py --graph --json "$out/ring.json" ;;
+    sweep) run sweep "$limit" bench_nccl sweep ;;
     train) run train "$limit" train ;;
-    resnet18) run resnet18 "$limit" python3 bench/resnet18.py --device cuda:0 --ranks 4 \
+    resnet18) run resnet18 "$limit" bench_nccl python3 bench/resnet18.py --device cuda:0 --ranks 4 \
                 --json "$out/resnet18.json" ;;
-    ddp) run ddp "$limit" python3 bench/ddp.py --device cuda --ranks 4 --json "$out/ddp.json" ;;
-    *) echo "gpu_check: unknown phase '$p' (build, smoke, core, backend, review, clients," \
-         "tests, ring, sweep, train, resnet18, ddp)" >&2
+    ddp) run ddp "$limit" bench_nccl python3 bench/ddp.py --device cuda --ranks 4 --json "$out/ddp.json" ;;
+    *) echo "gpu_check: unknown phase '$p' (build, smoke, first, bench, gpu, core, backend," \
+         "review, clients, tests, ring, sweep, train, resnet18, ddp)" >&2
        exit 2 ;;
   esac
 done

@@ -37,6 +37,10 @@ def pytest_collection_modifyitems(config, items):
         print("conftest: warning: pytest-timeout is not installed (scripts/setup.sh installs "
               "it); tests run without a time bound", file=sys.stderr)
         return
+    # A bound given on the command line (`--timeout=120`, as scripts/gpu_check.sh gives) applies
+    # to every test without a marker of its own: a marker would take precedence over it.
+    if config.getoption("timeout", None):
+        return
     for item in items:
         if item.get_closest_marker("timeout") is None:
             item.add_marker(pytest.mark.timeout(DEFAULT_TIMEOUT_S))

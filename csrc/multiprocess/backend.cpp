@@ -4,6 +4,7 @@
 #include <torch/csrc/distributed/c10d/Backend.hpp>
 #include <torch/csrc/distributed/c10d/Store.hpp>
 #include <torch/csrc/distributed/c10d/Work.hpp>
+#include <torch/version.h>
 #include <pybind11/chrono.h>
 
 #include <algorithm>
@@ -46,6 +47,15 @@ namespace dist {
 namespace {
 
 using namespace detail;
+
+// torch 2.13 added OpType::REDUCE_SCATTER_TENSOR_COALESCED; torch 2.11 (the GPU machine's) has
+// none, and its ProcessGroupNCCL types a coalesced reduce-scatter as COALESCED.
+#if TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 13)
+constexpr c10d::OpType kReduceScatterTensorCoalescedOp =
+    c10d::OpType::REDUCE_SCATTER_TENSOR_COALESCED;
+#else
+constexpr c10d::OpType kReduceScatterTensorCoalescedOp = c10d::OpType::COALESCED;
+#endif
 
 // ---- the backend ---------------------------------------------------------------------------
 
@@ -423,7 +433,7 @@ class RingReduceBackend final : public c10d::Backend {
     std::vector<at::Tensor> outs = outputs, touched = outputs;
     touched.insert(touched.end(), inputs.begin(), inputs.end());
     const int n = size_;
-    return submit("reduce_scatter_tensor_coalesced", OpType::REDUCE_SCATTER_TENSOR_COALESCED,
+    return submit("reduce_scatter_tensor_coalesced", kReduceScatterTensorCoalescedOp,
                   [tr, outs, flats, op, n] { fused_reduce_scatter(*tr, outs, flats, op, n); },
                   outputs, touched, inputs, opts.asyncOp);
   }

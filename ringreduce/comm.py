@@ -21,6 +21,7 @@ import threading
 import time
 
 import torch
+import torch.cuda.comm  # noqa: F401  (not imported by `import torch`: torch 2.11 on a GPU)
 
 from . import core
 

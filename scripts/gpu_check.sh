@@ -13,7 +13,7 @@
 #   first     scripts/gpu_first.txt: one test of every CUDA path (list API: ring, one-shot,
 #             staged copy, graph replay, 2 and 4 ranks; the backend: 2 and 3 ranks on one GPU,
 #             every collective, DDP steps against gloo, a killed rank)
-#   bench     bench/ring.py, 4 simulated ranks, 8 B..256 MiB, against NCCL (the carried one, below)
+#   bench     bench/ring.py, 4 simulated ranks, 8 B..64 MiB, against NCCL (the carried one, below)
 #   gpu       every other GPU test, as far as CALL_BUDGET lets it go
 # Further phases (a later session's): core backend review clients tests ring sweep train
 # resnet18 ddp (docs/GPU_SESSION.md).
@@ -62,14 +62,20 @@ run() {  # run NAME LIMIT CMD...: tee the output to $out/NAME.log and remember a
   if declare -F "$1" > /dev/null; then  # a function of this script: timeout needs a program
     set -- bash -c "$(declare -f); \"\$@\"" "$name" "$@"
   fi
-  timeout -k 10 "$cap" "$@" 2>&1 | tee -a "$out/$name.log"
+  timeout -k 10 "$cap" "$@" 2>&1 | stamp | tee -a "$out/$name.log"
   local rc=${PIPESTATUS[0]}
   echo "== $name exit $rc (at ${SECONDS} s)" | tee -a "$out/$name.log"
   [ "$rc" -eq 0 ] || status=1
   local why=""
   [ "$rc" -eq 124 ] || [ "$rc" -eq 137 ] && why=" (stopped at its ${cap} s bound)"
-  note "$name" "exit $rc$why; $(grep -E '(passed|failed|errors?|skipped)(,| in )|^smoke: ([0-9]+ passed|FAIL)|FAILED' \
-    "$out/$name.log" | tail -n 1)"
+  [ "$rc" -gt 128 ] && [ "$rc" -ne 137 ] && why=" (killed by signal $(( rc - 128 )))"
+  symbolize
+  note "$name" "exit $rc$why; $(grep -E '(passed|failed|errors?|skipped)(,| in )|smoke: ([0-9]+ passed|FAIL)|FAILED' \
+    "$out/$name.log" | tail -n 1 | sed -E 's/^\[ *[0-9]+ s\] //')"
+}
+stamp() {  # each line prefixed with the seconds since the script started: where time goes
+  local line
+  while IFS= read -r line; do printf '[%3d s] %s\n' "$SECONDS" "$line"; done
 }
 pack() {  # everything so far into $OUT, so that a later phase's hang loses nothing
   [ -n "$back" ] || return 0
@@ -132,9 +138,31 @@ build() {
   echo "gpu_check: MAX_JOBS=$MAX_JOBS RINGREDUCE_CUDA_ARCH_LIST=$RINGREDUCE_CUDA_ARCH_LIST"
   bash scripts/setup.sh && mkdir -p build && echo "$want" > build/gpu_check.stamp
 }
+# Crashes: every test process (spawned ranks too) is traced: faulthandler prints its Python
+# stack, scripts/segv_backtrace.c (compiled here, preloaded) its native one, into
+# gpu-logs/native/ as well as stderr; after each phase scripts/symbolize_backtraces.py resolves
+# them against this build (gpu-logs/native.log). pytest-xdist, where installed (the GPU
+# machine has it), runs the tests in a worker process that is replaced when it crashes, so one
+# crash costs one test instead of the rest of the phase.
+native=$PWD/$out/native
+mkdir -p "$native"
+traced=(env PYTHONFAULTHANDLER=1 SEGV_BACKTRACE_DIR="$native")
+if mkdir -p /tmp/ringreduce-segv &&
+   cc -shared -fPIC -O1 -o /tmp/ringreduce-segv/segv_backtrace.so scripts/segv_backtrace.c; then
+  traced+=(LD_PRELOAD="/tmp/ringreduce-segv/segv_backtrace.so${LD_PRELOAD:+:$LD_PRELOAD}")
+else
+  echo "gpu_check: scripts/segv_backtrace.c did not compile: crashes show Python stacks only"
+fi
+isolate=()
+python3 -c "import xdist" 2>/dev/null && isolate=(-n 1)
+symbolize() {  # the native stacks so far, resolved against this build
+  ls "$native"/segv-*.txt > /dev/null 2>&1 || return 0
+  python3 scripts/symbolize_backtraces.py "$native"/segv-*.txt > "$out/native.log" 2>&1
+}
 pytest_phase() {  # pytest_phase NAME ARGS...: one bounded pytest run
   local name=$1; shift
-  run "$name" "$limit" python3 -m pytest -q -rs "${per_test[@]}" -p no:cacheprovider "$@"
+  run "$name" "$limit" "${traced[@]}" python3 -m pytest -q -rs "${per_test[@]}" \
+    -p no:cacheprovider "${isolate[@]}" "$@"
 }
 first=()
 while read -r id; do
@@ -149,9 +177,9 @@ for p in $phases; do
   case $p in
     build) run build "$build_limit" build
            [ -f build/gpu_check.stamp ] || { note gpu_check "no build: later phases not run"; exit 1; } ;;
-    smoke) run smoke 90 python3 scripts/gpu_smoke.py ;;
+    smoke) run smoke 90 "${traced[@]}" python3 scripts/gpu_smoke.py ;;
     first) pytest_phase first "${first[@]}" ;;
-    bench) run bench 120 bench_nccl python3 bench/ring.py --device cuda --ranks 4 --max-bytes 256M \
+    bench) run bench 150 bench_nccl python3 bench/ring.py --device cuda --ranks 4 --max-bytes 64M \
              --json "$out/bench.json" ;;
     gpu) deselect=()
          for id in "${first[@]}"; do deselect+=(--deselect "$id"); done

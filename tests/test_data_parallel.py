@@ -6,6 +6,8 @@ repeatability) and float64 otherwise (only the summation order differs from an u
 model, so 1e-12). Models are small so that the file runs in seconds on the 2 CI cores.
 """
 import copy
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -108,6 +110,18 @@ def test_comm_reduce_add_coalesced_matches_per_tensor_sums():
     sparse = [torch.eye(3).to_sparse() * (r + 1) for r in range(2)]
     (total,) = comm.reduce_add_coalesced([[sparse[0]], [sparse[1]]], CPU)
     assert torch.equal(total.to_dense(), 3 * torch.eye(3))
+
+
+def test_comm_finds_torch_cuda_comm_in_a_fresh_process():
+    """ringreduce.comm hands CUDA scatter and gather to torch.cuda.comm, which `import torch`
+    does not import (seen on the GPU machine, torch 2.11: "module 'torch.cuda' has no attribute
+    'comm'" when nothing had imported torch.nn.parallel first)."""
+    code = ("import torch, ringreduce.comm; "
+            "print(hasattr(torch.cuda, 'comm') and hasattr(torch.cuda.comm, 'scatter'))")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == "True", proc.stdout
 
 
 def test_comm_scatter_and_gather_on_cpu():

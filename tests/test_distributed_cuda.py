@@ -336,3 +336,79 @@ def _peer_aborts(rank, world, store):
 def test_teardown_does_not_wait_for_an_aborted_peer(tmp_path):
     for teardown_s in values(run_ranks(_peer_aborts, 3, tmp_path)):
         assert teardown_s < 3.0, f"destroy_process_group took {teardown_s:.1f} s"
+
+
+# ---------------------------------------------------------------------------------------
+# CUDA graph capture beside the backend.
+
+def _refused_in_capture(rank, world, store):
+    """Rank 0 issues its all_reduce inside a graph capture, the others outside one: rank 0's
+    call is refused in its own thread, and its next all_reduce (outside the capture) meets
+    the others' first one."""
+    init(rank, world, store, timeout=30.0)
+    torch.cuda.set_device(DEV)
+    t = torch.full((4099,), float(rank + 1), device=DEV)
+    dist.all_reduce(t)  # the CUDA setup step
+    torch.cuda.synchronize()
+    t.fill_(float(rank + 1))
+    refusal = ""
+    if rank == 0:
+        graph, side = torch.cuda.CUDAGraph(), torch.cuda.Stream()
+        try:
+            with torch.cuda.graph(graph, stream=side):
+                dist.all_reduce(t)
+        except RuntimeError as exc:
+            refusal = str(exc)
+    dist.all_reduce(t)
+    got = t.cpu()
+    dist.destroy_process_group()
+    return refusal, torch.equal(got, torch.full((4099,), float(sum(range(1, world + 1)))))
+
+
+def test_collective_refused_in_graph_capture_leaves_the_group_usable(tmp_path):
+    results = values(run_ranks(_refused_in_capture, 2, tmp_path))
+    refusal, same = results[0]
+    assert "capturing a CUDA graph" in refusal and "still usable" in refusal, refusal
+    assert all(ok for _, ok in results), "the all_reduce after the refused one is wrong"
+    assert results[1][0] == ""
+
+
+def _capture_beside_inflight(rank, world, store):
+    """A graph captured (global mode, torch's default) while a collective's GPU work is in
+    flight, so that the backend's watchdog polls its end event during the capture: the capture
+    must stay valid, and the collective correct."""
+    init(rank, world, store, timeout=30.0)
+    torch.cuda.set_device(DEV)
+    t = torch.full((4099,), float(rank + 1), device=DEV)
+    dist.all_reduce(t)
+    torch.cuda.synchronize()
+    cycles = sleep_cycles(1.5)
+    t.fill_(float(rank + 1))
+    torch.cuda._sleep(cycles)  # the collective's GPU work waits behind this
+    work = dist.all_reduce(t, async_op=True)
+    x = torch.arange(1000.0, device=DEV)
+    graph, side = torch.cuda.CUDAGraph(), torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    error = ""
+    try:
+        with torch.cuda.graph(graph, stream=side):
+            y = x * 2
+            time.sleep(0.4)  # the watchdog polls every 50 ms: several polls during the capture
+    except RuntimeError as exc:
+        error = str(exc)
+    replayed = False
+    if not error:
+        graph.replay()
+        torch.cuda.synchronize()
+        replayed = torch.equal(y.cpu(), torch.arange(1000.0) * 2)
+    work.wait()
+    same = torch.equal(t.cpu(), torch.full((4099,), float(sum(range(1, world + 1)))))
+    dist.destroy_process_group()
+    return error, replayed, same
+
+
+def test_capture_beside_collectives_in_flight(tmp_path):
+    for error, replayed, same in values(run_ranks(_capture_beside_inflight, 2, tmp_path)):
+        assert error == "", f"the capture failed beside a collective in flight: {error}"
+        assert replayed, "the captured graph replayed a wrong result"
+        assert same, "the collective in flight during the capture is wrong"

@@ -940,6 +940,9 @@ class RingReduceBackend final : public c10d::Backend {
       const std::lock_guard<std::mutex> held(shut_mu_);
       TORCH_CHECK(!shut_, "ringreduce ", name, ": the process group was already destroyed");
     }
+#ifdef RINGREDUCE_WITH_CUDA
+    if (device && device->is_cuda()) refuse_capture(name, device->index());
+#endif
     seq_collective_.fetch_add(1);
     auto work = c10::make_intrusive<RRWork>(g_, name, type, outputs, device, inputs);
     batch_.note(work);
@@ -965,20 +968,6 @@ class RingReduceBackend final : public c10d::Backend {
     if (device && device->is_cuda()) {
 #ifdef RINGREDUCE_WITH_CUDA
       const c10::cuda::CUDAStream current = c10::cuda::getCurrentCUDAStream(device->index());
-      std::string refusal;
-      try {
-        refusal = capture_refusal(current);
-      } catch (...) {
-        refusal = "checking whether the caller's stream is capturing a CUDA graph failed: " +
-                  error_text(std::current_exception());
-      }
-      if (!refusal.empty()) {
-        // The peers are mid-call: they learn of it through the group's failure.
-        const std::string msg = "ringreduce " + std::string(name) + " on rank " +
-                                std::to_string(rank_) + ": " + refusal;
-        g_->fail(msg);
-        TORCH_CHECK(false, msg);
-      }
       job->cuda = true;
       job->stream = engine_->stream(device->index());
       job->ready = std::make_shared<Event>(device->index());
@@ -995,6 +984,25 @@ class RingReduceBackend final : public c10d::Backend {
     engine_->submit(std::move(job));
     return work;
   }
+
+#ifdef RINGREDUCE_WITH_CUDA
+  // A collective issued while the caller's stream captures a CUDA graph is refused here, in
+  // the caller's thread, before anything is queued or counted: it never started on this rank,
+  // so the group stays usable, and the peers' matching collective waits for this rank's next
+  // one (issued outside the capture), or times out naming this rank. NCCL's collectives are
+  // recorded into the graph; these synchronise on the host and cannot be.
+  void refuse_capture(const char* name, c10::DeviceIndex device) const {
+    std::string refusal;
+    try {
+      refusal = capture_refusal(c10::cuda::getCurrentCUDAStream(device));
+    } catch (...) {
+      refusal = "checking whether the caller's stream is capturing a CUDA graph failed: " +
+                error_text(std::current_exception());
+    }
+    TORCH_CHECK(refusal.empty(), "ringreduce ", name, " on rank ", rank_, ": ", refusal,
+                " (nothing was queued; this process group is still usable)");
+  }
+#endif
 
   // any_source: a receive from whichever rank sends first (`peer` is kAnySource).
   c10::intrusive_ptr<c10d::Work> p2p(const char* name, bool is_send,

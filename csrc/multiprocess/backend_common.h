@@ -17,6 +17,8 @@
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 #include <cuda_runtime.h>
+
+#include "../ring/capture_mode.h"
 #endif
 
 namespace rr {

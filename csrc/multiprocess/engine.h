@@ -142,7 +142,10 @@ class RRWork final : public c10d::Work {
                 const std::exception_ptr& error) const {
 #ifdef RINGREDUCE_WITH_CUDA
     c10::optional<c10::cuda::CUDAStreamGuard> guard;
-    if (stream_) guard.emplace(*stream_);
+    if (stream_) {
+      rr::cuda::use_thread_local_capture_mode();  // a completion thread, or the caller's
+      guard.emplace(*stream_);
+    }
 #endif
     if (error) {
       fut->setError(error);
@@ -394,6 +397,7 @@ class Engine : public std::enable_shared_from_this<Engine> {
         return;
       }
 #ifdef RINGREDUCE_WITH_CUDA
+      rr::cuda::use_thread_local_capture_mode();  // a user's graph capture stays valid
       c10::cuda::CUDAStreamGuard on_internal(*job.stream);
       job.ready->block(*job.stream);
       if (job.drain_gpu) drain_gpu();
@@ -539,6 +543,7 @@ class Engine : public std::enable_shared_from_this<Engine> {
       bool done = false;
       std::string error;
       try {
+        rr::cuda::use_thread_local_capture_mode();  // its queries leave a user's capture valid
         done = first.end && first.end->query();
       } catch (const std::exception& e) {
         error = e.what();

@@ -54,6 +54,7 @@ inline CudaStaging stage_issue(const at::Tensor& t, const c10::cuda::CUDAStream&
 // Pinned host memory standing in for t, after the caller's work before `ready`; for a send it
 // holds t's bytes (the host waits for that copy, on the internal stream only).
 inline at::Tensor stage_out(const at::Tensor& t, const CudaStaging& s, bool send) {
+  rr::cuda::use_thread_local_capture_mode();  // a user's graph capture stays valid
   c10::cuda::CUDAStreamGuard on_internal(s.stream);
   s.ready->block(s.stream);
   at::Tensor host = at::empty(t.sizes(), t.options().device(at::kCPU).pinned_memory(true));
@@ -68,6 +69,7 @@ inline at::Tensor stage_out(const at::Tensor& t, const CudaStaging& s, bool send
 // `work` the end event its wait() puts on the caller's stream.
 inline void stage_in(const at::Tensor& t, const at::Tensor& host, const CudaStaging& s,
                      RRWork& work) {
+  rr::cuda::use_thread_local_capture_mode();
   c10::cuda::CUDAStreamGuard on_internal(s.stream);
   t.copy_(host, /*non_blocking=*/true);
   auto end = std::make_shared<Event>(s.stream.device_index());

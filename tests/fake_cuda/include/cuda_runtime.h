@@ -34,6 +34,7 @@ enum cudaError_t {
   cudaErrorInvalidResourceHandle = 400,
   cudaErrorNotReady = 600,
   cudaErrorPeerAccessAlreadyEnabled = 704,
+  cudaErrorStreamCaptureUnsupported = 900,
   cudaErrorStreamCaptureImplicit = 906,
   cudaErrorUnknown = 999
 };
@@ -51,6 +52,11 @@ enum cudaStreamCaptureStatus {
   cudaStreamCaptureStatusNone = 0,
   cudaStreamCaptureStatusActive = 1,
   cudaStreamCaptureStatusInvalidated = 2
+};
+enum cudaStreamCaptureMode {
+  cudaStreamCaptureModeGlobal = 0,
+  cudaStreamCaptureModeThreadLocal = 1,
+  cudaStreamCaptureModeRelaxed = 2
 };
 #define cudaEventDisableTiming 0x02u
 #define cudaEventInterprocess 0x04u
@@ -85,6 +91,8 @@ cudaError_t cudaMemcpyAsync(void* dst, const void* src, size_t bytes, cudaMemcpy
 cudaError_t cudaMemcpyPeerAsync(void* dst, int dst_device, const void* src, int src_device,
                                 size_t bytes, cudaStream_t stream);
 cudaError_t cudaStreamIsCapturing(cudaStream_t stream, cudaStreamCaptureStatus* status);
+// Only fake_capture.cpp implements it (tests/test_capture_mode.py).
+cudaError_t cudaThreadExchangeStreamCaptureMode(cudaStreamCaptureMode* mode);
 
 // Test-only: blocks until everything queued on `stream` has run.
 void fake_stream_sync(cudaStream_t stream);

@@ -1,26 +1,35 @@
 #!/usr/bin/env bash
-# CI: the real CUDA build. Builds the whole extension against torch's CUDA wheel (no GPU needed:
-# nvcc compiles, the linker resolves every CUDA and torch symbol), imports it, checks that
-# build_info() says CUDA, then runs the test suite on it (a CUDA build's CPU paths and the
-# fake CUDA runtime). The CPU-torch run in .ci/run stays as it is; this one works in a
-# copy of the tree and a venv of its own, so the two builds never overwrite each other.
+# CI: the GPU machine rehearsed, then the real CUDA build tested, without a GPU.
 #   bash scripts/ci_cuda_build.sh
-# Knobs: RINGREDUCE_CUDA_TORCH (torch version, default 2.14.1, the CUDA 13.0 build);
-# CUDA_HOME (default /usr/local/cuda); RINGREDUCE_CUDA_ARCH_LIST (default 9.0, one arch keeps
-# the build near 4 minutes); CI_CUDA_WORKDIR (where the venv and the copy go; default a fresh
-# temporary folder, removed at the end).
-# The tests: the whole suite (tests/), as the CPU-torch run in .ci/run runs it, on the CUDA
-# build: the CPU paths of a build with its CUDA branches compiled in, torch's CUDA wheel (a
-# different torch release, so the suite's adaptations to torch versions are exercised too) and
-# the fake CUDA runtime. Tests that need a GPU skip with their reason. Left out:
-# tests/test_install.py's fresh-venv test (a new user's CPU install; it is run by the CPU-torch
-# run already).
+# 1. The GPU machine's first command, as that machine would run it: a venv with torch 2.11.0
+#    (its CUDA 13.0 build, the GPU machine's torch) and only Python packages that machine has
+#    (no expecttest, no accelerate; setuptools below 82), a fresh checkout of this tree, the
+#    network cut (`unshare -n`), then `bash scripts/gpu_check.sh build smoke`. It must build
+#    (nvcc, sm_90) and stop at smoke only for want of a GPU ("torch sees no GPU").
+# 2. That build's tests: the whole suite (tests/) on the CUDA build, its CPU paths and the fake
+#    CUDA runtime (tests that need a GPU skip, each with its reason), with the test-only
+#    packages installed now (the network is back).
+# 3. Beside it, the newest torch this machine holds (RINGREDUCE_CUDA_TORCH_NEW, 2.14.1; empty
+#    skips it): the extension built against it, imported, and the tests that exercise the
+#    backend's and the list API's torch glue (CUDA_NEW_TESTS) run on it.
+# The CPU-torch run in .ci/run stays as it is; this works in venvs and copies of its own.
+# Knobs: RINGREDUCE_CUDA_TORCH (2.11.0); RINGREDUCE_CUDA_TORCH_NEW (2.14.1); CUDA_HOME
+# (/usr/local/cuda); RINGREDUCE_CUDA_ARCH_LIST (9.0: one arch keeps a build near 4 minutes);
+# CI_CUDA_WORKDIR (default a fresh temporary folder, removed at the end).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONUNBUFFERED=1
 export CUDA_HOME=${CUDA_HOME:-/usr/local/cuda}
 export RINGREDUCE_CUDA_ARCH_LIST=${RINGREDUCE_CUDA_ARCH_LIST:-9.0}
-torch_version=${RINGREDUCE_CUDA_TORCH:-2.14.1}
+torch_version=${RINGREDUCE_CUDA_TORCH:-2.11.0}
+torch_new=${RINGREDUCE_CUDA_TORCH_NEW-2.14.1}
+# The tests of the torch glue run on the newest torch (the whole suite runs on torch_version).
+CUDA_NEW_TESTS=(tests/test_backend_engine.py tests/test_distributed_surface.py
+                tests/test_validation.py tests/test_data_parallel.py tests/test_gpu_plan.py)
+# The GPU machine's packages (device README, KINDS.md) that the build and tests use.
+GPU_MACHINE_PACKAGES=(numpy ninja pybind11 pytest pytest-timeout pytest-xdist tqdm wheel
+                      "setuptools<82")
+repo=$PWD
 
 [ -x "$CUDA_HOME/bin/nvcc" ] || { echo "ci_cuda_build: no nvcc at $CUDA_HOME/bin/nvcc" >&2; exit 1; }
 work=${CI_CUDA_WORKDIR:-}
@@ -31,48 +40,69 @@ fi
 stamp() { echo "ci_cuda_build: $1 ($(( SECONDS - t0 )) s)"; }
 t0=$SECONDS
 
-echo "== CUDA build: venv with torch==$torch_version in $work/venv"
-python3 -m venv "$work/venv"
+checkout() {  # checkout DIR: this tree's files (tracked and untracked, not ignored), committed
+  mkdir -p "$1"
+  (cd "$repo" && git ls-files -z --cached --others --exclude-standard | tar --null -T - -cf -) |
+    tar -xf - -C "$1"
+  (cd "$1" && git init -q && git add -A && git -c user.name=ci -c user.email=ci@localhost \
+    commit -qm "checkout")
+}
+
+venv() {  # venv DIR TORCH: a venv with torch==TORCH (a CUDA build) and the GPU machine's packages
+  python3 -m venv "$1"
+  "$1/bin/python" -m pip install -q "torch==$2" "${GPU_MACHINE_PACKAGES[@]}"
+  "$1/bin/python" -c "import torch; assert torch.version.cuda, 'torch ' + torch.__version__ + \
+    ' is not a CUDA build'; print('ci_cuda_build: torch', torch.__version__, 'cuda', torch.version.cuda)"
+}
+
+offline() {  # offline CMD...: CMD without a network (its own network namespace)
+  if unshare -n true 2> /dev/null; then
+    unshare -n "$@"
+  else  # no namespaces here: an index nobody answers stands in for a cut network
+    echo "ci_cuda_build: unshare -n is not permitted here; pip's index points nowhere instead"
+    PIP_INDEX_URL=http://127.0.0.1:9/simple PIP_EXTRA_INDEX_URL= PIP_FIND_LINKS= "$@"
+  fi
+}
+
+echo "== 1. the GPU machine rehearsed: torch==$torch_version, its packages only, offline"
+venv "$work/venv" "$torch_version"
 py=$work/venv/bin/python
-"$py" -m pip install -q "torch==$torch_version" numpy pytest pytest-timeout ninja expecttest
-# tqdm: the trainer's and benchmarks' bars; accelerate: tests/test_clients.py.
-"$py" -m pip install -q tqdm "accelerate>=1.0"
-"$py" -c "import torch; assert torch.version.cuda, 'torch ' + torch.__version__ + \
-  ' is not a CUDA build'; print('ci_cuda_build: torch', torch.__version__, 'cuda', torch.version.cuda)"
-stamp "venv ready"
-
-echo "== CUDA build: the tree copied to $work/src (the CPU build's files stay untouched)"
-mkdir -p "$work/src"
-if git rev-parse --is-inside-work-tree > /dev/null 2>&1; then
-  git ls-files -z --cached --others --exclude-standard | tar --null -T - -cf - | tar -xf - -C "$work/src"
-else  # no git: everything but the CPU build's outputs (the patterns of .gitignore)
-  tar --exclude=./build --exclude=./dist --exclude='*.egg-info' --exclude='*.so' --exclude='*.o' \
-    --exclude=__pycache__ --exclude=.pytest_cache --exclude=./gpu-logs -cf - . | tar -xf - -C "$work/src"
+checkout "$work/src"
+stamp "venv and checkout ready"
+rehearsal=0
+(cd "$work/src" && offline env PATH="$work/venv/bin:$CUDA_HOME/bin:$PATH" OUT="$work/out" \
+   bash scripts/gpu_check.sh build smoke) || rehearsal=$?
+mkdir -p "$work/out"
+cat "$work/out/summary.txt" 2>/dev/null || true
+if ! grep -q "^build: exit 0" "$work/out/summary.txt" 2>/dev/null ||
+   ! grep -q "^smoke: exit 1; smoke: FAIL: torch sees no GPU" "$work/out/summary.txt"; then
+  echo "ci_cuda_build: the rehearsal must build and stop at smoke for want of a GPU" \
+    "(gpu_check.sh exit $rehearsal); its logs:" >&2
+  tail -n 60 "$work/src/gpu-logs/"*.log >&2 || true
+  exit 1
 fi
-cd "$work/src"
-# A git checkout of its own (tests/test_install.py copies the tracked files of one); the build
-# outputs that follow are ignored by the copied .gitignore.
-if command -v git > /dev/null; then
-  git init -q && git add -A && git -c user.name=ci -c user.email=ci@localhost commit -qm "copy"
-fi
-"$py" -m pip install -q --no-build-isolation --no-deps --use-pep517 -e .
-stamp "built for sm_${RINGREDUCE_CUDA_ARCH_LIST//[.;]/}"
+stamp "rehearsal: built offline, smoke stopped for want of a GPU"
 
-echo "== CUDA build: import, build_info()['cuda'] must be True"
-"$py" - <<'EOF'
-import json
-
-import ringreduce
-
-info = ringreduce.build_info()
-print("ci_cuda_build: build_info", json.dumps(info))
-assert info["cuda"] is True, f"build_info()['cuda'] is {info['cuda']!r}: not a CUDA build"
-from ringreduce import _dist_C  # noqa: E402  (the backend's extension, built with CUDA too)
-
-print("ci_cuda_build: _dist_C", _dist_C.__file__)
-EOF
-
-echo "== CUDA build: the test suite (tests/)"
+echo "== 2. the whole suite on that CUDA build (torch $torch_version)"
+# The test-only packages the GPU machine lacks: torch's own suite (expecttest) and
+# tests/test_clients.py (accelerate).
+"$py" -m pip install -q expecttest "accelerate>=1.0"
+"$py" -c "import ringreduce, json; info = ringreduce.build_info(); \
+  print('ci_cuda_build: build_info', json.dumps(info)); assert info['cuda'] is True, info; \
+  from ringreduce import _dist_C; print('ci_cuda_build: _dist_C', _dist_C.__file__)"
 unset RINGREDUCE_REQUIRE_INSTALL_TEST
-"$py" -m pytest -q -rs --timeout=600 tests
-stamp "tests done"
+(cd "$work/src" && "$py" -m pytest -q -rs --timeout=600 tests)
+stamp "tests on torch $torch_version done"
+
+if [ -n "$torch_new" ]; then
+  echo "== 3. the newest torch here, $torch_new: build, import, the torch glue's tests"
+  venv "$work/venv-new" "$torch_new"
+  "$work/venv-new/bin/python" -m pip install -q expecttest
+  checkout "$work/src-new"
+  (cd "$work/src-new" &&
+   "$work/venv-new/bin/python" -m pip install -q --no-build-isolation --no-deps --use-pep517 -e . &&
+   "$work/venv-new/bin/python" -c "import ringreduce; assert ringreduce.build_info()['cuda']; \
+     from ringreduce import _dist_C" &&
+   "$work/venv-new/bin/python" -m pytest -q -rs --timeout=600 "${CUDA_NEW_TESTS[@]}")
+  stamp "torch $torch_new: built, imported, tests done"
+fi

@@ -34,8 +34,8 @@ NCCL_LIB_ENV = "RINGREDUCE_NCCL_LIB"
 # Set in the environment of the process preload_requested_library() re-executes, to the path it
 # preloaded: a second re-execution would mean LD_PRELOAD did not take, so it is an error instead.
 PRELOADED_ENV = "RINGREDUCE_NCCL_PRELOADED"
-NEWER_NCCL_HINT = (f"point {NCCL_LIB_ENV} at a libnccl.so.2 >= 2.30, e.g. the nvidia-nccl-cu13 "
-                   "wheel's (scripts/nccl_wheel.sh)")
+NEWER_NCCL_HINT = (f"point {NCCL_LIB_ENV} at a libnccl.so.2 >= 2.30, e.g. the sm_90 build that "
+                   "scripts/nccl_carry.sh takes to the GPU machine")
 
 ORIGIN_ENV = f"from {NCCL_LIB_ENV}"
 ORIGIN_TORCH = "torch's bundled"

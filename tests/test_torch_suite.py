@@ -1,6 +1,7 @@
 """What torch's own distributed suite (scripts/torch_suite.py) found missing, each reproduced
 here: sparse all-reduce (and DDP with sparse gradients), sequence numbers under
 TORCH_DISTRIBUTED_DEBUG=DETAIL, the timeout text torch's tests match; and the runner itself."""
+import importlib.util
 import os
 import re
 import subprocess
@@ -16,6 +17,11 @@ from test_distributed import init, run_ranks, values
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 KNOWN_GAPS = os.path.join(ROOT, "scripts", "torch_suite_known_gaps.txt")
+# torch's own suite (scripts/torch_suite.py) imports expecttest, which torch does not install:
+# CI and scripts/setup.sh install it; the offline GPU machine has none.
+needs_expecttest = pytest.mark.skipif(
+    importlib.util.find_spec("expecttest") is None,
+    reason="expecttest is not installed: torch's own test suite imports it (pip install expecttest)")
 SHAPE = (11, 6, 3)  # two sparse dims, one dense
 
 
@@ -243,6 +249,7 @@ def test_any_source_receive_errors_name_recv_any_source(tmp_path):
     assert msg.startswith("ringreduce: recvAnySource #") and " timed out " in msg, msg
 
 
+@needs_expecttest
 def test_runner_widens_the_gloo_gates():
     """The runner runs sparse all-reduce (gloo-only in torch) on ringreduce, and it passes."""
     cmd = [sys.executable, os.path.join(ROOT, "scripts", "torch_suite.py"), "--backend",
@@ -264,6 +271,7 @@ def _runner(*args, timeout):
     return proc.returncode, out
 
 
+@needs_expecttest
 @pytest.mark.timeout(1300)
 def test_torch_suite_world_size_2_has_no_gap(tmp_path):
     """torch's whole suite at world size 2, gloo then ringreduce (ranks forked: ~3 min on a

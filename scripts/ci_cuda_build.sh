@@ -88,9 +88,10 @@ echo "== 2. the whole suite on that CUDA build (torch $torch_version)"
 # The test-only packages the GPU machine lacks: torch's own suite (expecttest) and
 # tests/test_clients.py (accelerate).
 "$py" -m pip install -q expecttest "accelerate>=1.0"
-"$py" -c "import ringreduce, json; info = ringreduce.build_info(); \
+# In the checkout: this tree's own ringreduce/ holds .ci/run's CPU build.
+(cd "$work/src" && "$py" -c "import ringreduce, json; info = ringreduce.build_info(); \
   print('ci_cuda_build: build_info', json.dumps(info)); assert info['cuda'] is True, info; \
-  from ringreduce import _dist_C; print('ci_cuda_build: _dist_C', _dist_C.__file__)"
+  from ringreduce import _dist_C; print('ci_cuda_build: _dist_C', _dist_C.__file__)")
 unset RINGREDUCE_REQUIRE_INSTALL_TEST
 (cd "$work/src" && "$py" -m pytest -q -rs --timeout=600 tests)
 stamp "tests on torch $torch_version done"

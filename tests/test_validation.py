@@ -4,6 +4,8 @@ import torch
 import torch.distributed as dist
 
 import ringreduce
+from checks import seeded
+from reference import BITWISE_OPS, random_inputs, ring_model
 
 
 def _ranks(n=3, count=8, dtype=torch.float32):
@@ -88,10 +90,17 @@ def test_unknown_op(op):
     _check_untouched(_ranks(), lambda ts: ringreduce.all_reduce(ts, op), ValueError, "op must be one of")
 
 
-def test_op_names_are_case_insensitive():
-    t = _ranks()
-    ringreduce.all_reduce(t, "SUM")
-    assert torch.equal(t[0], t[1])
+@pytest.mark.parametrize("spelling", ["SUM", "Sum", "MAX", "Min", "PROD", "AVG", "bAnD", "BXOR"])
+def test_op_names_are_case_insensitive(spelling):
+    """Each spelling reduces as its lower-case op: every rank holds the ring model's bits."""
+    op = spelling.lower()
+    dtype = torch.int32 if op in BITWISE_OPS else torch.float32
+    inputs = random_inputs(3, 33, dtype, op, generator=seeded("case", spelling))
+    tensors = [t.clone() for t in inputs]
+    ringreduce.all_reduce(tensors, spelling)
+    expected = ring_model(inputs, op)
+    for r, t in enumerate(tensors):
+        assert torch.equal(t, expected), f"op {spelling!r}: rank {r} differs from the {op} model"
 
 
 @pytest.mark.parametrize("dtype", [torch.complex64, torch.int16, torch.float8_e4m3fn])

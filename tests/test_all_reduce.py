@@ -9,8 +9,7 @@ import torch.distributed as dist
 
 import ringreduce
 from checks import seeded
-from reference import (ALL_DTYPES, assert_close_to_wide, chunk_bounds, random_inputs,
-                       ring_model, valid_ops)
+from reference import ALL_DTYPES, assert_close_to_wide, random_inputs, ring_model, valid_ops
 
 # Sizes around every boundary: empty, fewer elements than ranks, odd, one past a 16-byte
 # vector, chunk sizes that leave empty trailing chunks, and a few thousand.
@@ -182,16 +181,6 @@ def test_half_rounding_matches_torch_per_hop():
         expected = (b.float() + a.float()).to(dtype)
         same = (tensors[0] == expected) | (torch.isnan(tensors[0]) & torch.isnan(expected))
         assert bool(same.all()), f"{dtype}: {int((~same).sum())} elements rounded differently"
-
-
-def test_chunking_covers_every_element_once():
-    for count in (0, 1, 5, 15, 16, 17, 1000, 4097):
-        for n in range(1, 9):
-            for esize in (1, 2, 4, 8):
-                bounds = chunk_bounds(count, n, esize)
-                assert bounds[0][0] == 0 and bounds[-1][1] == count
-                assert all(b[1] == c[0] for b, c in zip(bounds, bounds[1:]))
-                assert all((lo * esize) % 16 == 0 for lo, hi in bounds if hi > lo)
 
 
 def test_in_place_write_is_visible_to_autograd():

@@ -9,9 +9,9 @@ inputs were written.
 
 Also what every GPU test module shares: `needs_cuda` (skip, or fail under
 RINGREDUCE_REQUIRE_CUDA=1, where no GPU test can run) and `sleep_cycles`; and the helpers more
-than one test module needs: `free_port`, `communicate_bounded`, `load_module` (bench/ scripts),
-`small_net`/`ddp_steps` (the DDP model), `thread_count`, `fd_count`, `anon_rss_kib`,
-`heap_bytes`.
+than one test module needs: `free_port`, `communicate_bounded`, `run_bounded`, `load_module`
+(bench/ scripts), `small_net`/`ddp_steps` (the DDP model), `thread_count`, `fd_count`,
+`anon_rss_kib`, `heap_bytes`.
 """
 import ctypes
 import glob
@@ -260,6 +260,17 @@ def communicate_bounded(proc, timeout):
         except subprocess.TimeoutExpired:
             out = "(output unreadable: the pipe stayed open after the kill)"
         return f"{out}\n(killed after {timeout} s)"
+
+
+def run_bounded(cmd, timeout, stderr=subprocess.STDOUT, **popen_kwargs):
+    """Runs `cmd` (a launcher: torchrun, a bench that spawns ranks) in a session of its own, so
+    that past `timeout` communicate_bounded kills it with every process it started; a timed-out
+    launcher's workers would run on into later tests otherwise. Returns (exit status, stdout),
+    stderr in stdout unless `stderr` (a file) says where else."""
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=stderr, text=True,
+                            start_new_session=True, **popen_kwargs)
+    out = communicate_bounded(proc, timeout)
+    return proc.returncode, out
 
 
 def load_module(name, path):

@@ -1,5 +1,6 @@
-"""The suite's own guards (conftest.py's rules 4 and 5, checks.communicate_bounded): each one
-must catch what it is there for, so each is run here on a test or a child made to break it."""
+"""The suite's own guards (conftest.py's rules 4 and 5, checks.communicate_bounded and
+run_bounded): each one must catch what it is there for, so each is run here on a test or a child
+made to break it."""
 import os
 import signal
 import subprocess
@@ -9,7 +10,7 @@ import time
 
 import pytest
 
-from checks import communicate_bounded
+from checks import communicate_bounded, run_bounded
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -92,3 +93,35 @@ def test_communicate_bounded_kills_the_whole_process_group():
         time.sleep(0.1)
     os.killpg(proc.pid, signal.SIGKILL)
     pytest.fail("a process of the group outlived communicate_bounded")
+
+
+def _alive(pid):
+    """Whether `pid` is a process that has not exited (a zombie has)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    except (FileNotFoundError, ProcessLookupError):
+        return False
+
+
+@pytest.mark.timeout(60)
+def test_run_bounded_kills_a_timed_out_launchers_workers(tmp_path):
+    """A launcher (like torchrun) whose worker never ends: past the bound run_bounded returns
+    with the kill noted, and the worker is gone too (subprocess.run(timeout=...) kills only the
+    launcher, and the worker would run on into later tests)."""
+    pid_file = tmp_path / "worker.pid"
+    launcher = ("import subprocess, sys\n"
+                "w = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(300)'])\n"
+                f"open({str(pid_file)!r}, 'w').write(str(w.pid))\n"
+                "w.wait()\n")
+    start = time.monotonic()
+    code, out = run_bounded([sys.executable, "-c", launcher], 5)
+    assert time.monotonic() - start < 20, out
+    assert code != 0 and "(killed after 5 s)" in out, (code, out)
+    worker = int(pid_file.read_text())
+    deadline = time.monotonic() + 10
+    while _alive(worker) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    if _alive(worker):
+        os.kill(worker, signal.SIGKILL)
+        pytest.fail("the launcher's worker outlived run_bounded's timeout")

@@ -189,7 +189,7 @@ torch.save({"params": params, "loss": trainer.callback_metrics["loss"]},
 
 
 @pytest.mark.skipif(importlib.util.find_spec("lightning") is None,
-                    reason="lightning is not installed (pip install lightning)")
+                    reason="lightning is not installed (.ci/run installs it)")
 def test_lightning_ddp_under_torchrun_trains_like_gloo(tmp_path):
     """Lightning's DDPStrategy with process_group_backend="ringreduce" under torchrun: the same
     parameters and logged loss as with gloo, on both ranks."""

@@ -11,8 +11,9 @@
    test's own segments (checks.segments_of with the ranks' pids), never every segment on the
    machine; threads counted from /proc/self/task (checks.thread_count), which sees C++ threads.
 5. Every wait is bounded: each test gets DEFAULT_TIMEOUT_S through pytest-timeout (required:
-   the session refuses to start without it) unless it has its own @pytest.mark.timeout; subprocesses run with a timeout, in their own session when
-   they start children, and are killed by process group (checks.communicate_bounded).
+   the session refuses to start without it) unless it has its own @pytest.mark.timeout;
+   subprocesses run with a timeout, in their own session when they start children, and are
+   killed by process group (checks.communicate_bounded, checks.run_bounded for launchers).
 6. GPU tests use checks.needs_cuda (skip with the reason, fail under
    RINGREDUCE_REQUIRE_CUDA=1), never a home-made skipif. Whatever can run on CPU runs on CPU.
 7. Assert ringreduce's behaviour, not one torch release's: where torch's own exception type or

@@ -34,6 +34,7 @@ cd "$(dirname "$0")/.."
 export out=gpu-logs
 rm -rf "$out" && mkdir -p "$out"
 back=${OUT:-}
+[ -z "$back" ] || mkdir -p "$back"
 # RINGREDUCE_REQUIRE_CUDA: the GPU tests fail instead of skipping without a GPU or a CUDA build.
 export PYTHONUNBUFFERED=1 RINGREDUCE_REQUIRE_CUDA=1 \
   NCCL_MULTI_RANK_GPU_ENABLE=${NCCL_MULTI_RANK_GPU_ENABLE:-1} \

@@ -1,7 +1,7 @@
 """The backend's CUDA streams and lifetimes (issue 27): spawned ranks sharing cuda:0.
 
-NOT RUN: written on a machine without a GPU; every CUDA test here skips without one (the code
-they check compiled and linked against torch 2.14.1 + CUDA 13.0). The reduce-scatter test also
+Ran on an H100 on 2026-11-26 (docs/GPU_SESSION.md): all four passed. Every CUDA test here skips
+without a GPU. The reduce-scatter test also
 runs on the CPU, which checks the test's own reference and flow.
 
 - A non-contiguous reduce_scatter_tensor input is flattened by a copy made in the caller's

@@ -1,7 +1,9 @@
 """GPU bring-up tests from the review of the CUDA code (issue 10), one section per finding.
 
-NOT RUN YET on a GPU: written on a machine without one, where every GPU test here skips (and
-fails under RINGREDUCE_REQUIRE_CUDA=1). The CPU halves (NaN and Inf on the CPU path) run
+Ran on an H100 on 2026-11-26 (docs/GPU_SESSION.md) up to test_65_ranks_rejected_before_touching_anything,
+which died of SIGSEGV; every test before it passed, and of those after it only the graph-capture
+and storage-offset cases in scripts/gpu_first.txt ran (and passed). Every GPU test here skips
+without a GPU (and fails under RINGREDUCE_REQUIRE_CUDA=1). The CPU halves (NaN and Inf on the CPU path) run
 everywhere.
 
 - Virtual devices: ranks on one GPU, each on a stream of its own (streams=[s0, s1, ...]), which

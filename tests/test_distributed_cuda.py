@@ -1,6 +1,8 @@
 """The "ringreduce" backend on CUDA tensors: 2 and 4 spawned processes sharing cuda:0.
 
-NOT RUN: written on a machine without a GPU; every test here skips without one.
+Ran on an H100 on 2026-11-26 (docs/GPU_SESSION.md): every collective bitwise, both allocators,
+empty_cache in flight and asynchronous wait passed; every test in which a peer dies, hangs or
+aborts failed (a surviving rank died of SIGSEGV). The capture tests at the end have not run.
 
 What it checks: every collective, dtype and awkward size (many larger than a small staging
 area, so they go in rounds) bit for bit against ringreduce.all_reduce and the references; the

@@ -492,7 +492,8 @@ def _bad_arguments(rank, world, store):
             poisoned, x, output_split_sizes=[2, 2], input_split_sizes=[4]),
         "no splits, dim 0 not divisible": lambda: dist.all_to_all_single(
             torch.full((3,), -1.0), torch.full((3,), 7.0)),
-        "all_to_all_single dtype": lambda: pg.all_to_all_single(
+        # ProcessGroup.all_to_all_single came with torch 2.13; alltoall_base before it.
+        "all_to_all_single dtype": lambda: getattr(pg, "all_to_all_single", pg.alltoall_base)(
             poisoned, x.long(), [], [], dist.AllToAllOptions()),
         "all_to_all list length": lambda: dist.all_to_all([poisoned], [x, x]),
         "all_to_all dtype": lambda: pg.alltoall(

@@ -115,7 +115,7 @@ def test_compiler_output_is_in_the_error(source_copy, tmp_path):
 def test_old_torch_is_a_clear_error(source_copy, tmp_path):
     status, out = import_from_copy(source_copy, tmp_path,
                                    "import torch; torch.__version__ = '2.1.0+cpu'")
-    assert_build_error(status, out, "needs torch>=2.13", "torch 2.1.0+cpu")
+    assert_build_error(status, out, "needs torch>=2.11", "torch 2.1.0+cpu")
 
 
 # ---- a new user's path

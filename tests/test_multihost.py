@@ -18,10 +18,11 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from reference import ALL_DTYPES, _combine, _int_avg, assert_close_to_wide, random_inputs, valid_ops
+from reference import (ALL_DTYPES, _combine, _int_avg, assert_close_to_wide, chunk_bounds,
+                       random_inputs, ring_model, valid_ops)
 from ringreduce import hierarchy
 from ringreduce.distributed import comm_of
-from checks import communicate_bounded, ddp_steps, free_port
+from checks import communicate_bounded, ddp_steps, free_port, seeded
 from test_distributed import init, run_ranks, values
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -99,11 +100,54 @@ def _ddp(rank, group, steps=4):
     return [p.detach().clone() for p in ddp_steps(rank, group, steps=steps).parameters()]
 
 
+class _CountingGloo(dist.ProcessGroupGloo):
+    """torch's gloo group, logging every call ringreduce.hierarchy makes on it with the bytes
+    this rank sends to the other members (a ring all-reduce of B bytes among n sends
+    2(n-1)/n * B, a ring all-gather (n-1) * B, an all-to-all all but its own slot). Installed as
+    dist.ProcessGroupGloo in a rank's process before init, so that the inter-host groups
+    hierarchy.py makes are these: what crossed between hosts is measured where it crosses,
+    independently of hierarchy.inter_host_bytes (its own count of what it meant to send)."""
+
+    log = []
+
+    def _sent(self, method, nbytes):
+        _CountingGloo.log.append((method, self.size(), int(nbytes)))
+
+    def allreduce(self, tensors, *args, **kwargs):
+        n = self.size()
+        self._sent("allreduce", 2 * (n - 1) * sum(_nbytes(t) for t in tensors) // n)
+        return super().allreduce(tensors, *args, **kwargs)
+
+    def _allgather_base(self, out, inp, *args, **kwargs):
+        self._sent("_allgather_base", (self.size() - 1) * _nbytes(inp))
+        return super()._allgather_base(out, inp, *args, **kwargs)
+
+    def alltoall_base(self, out, inp, out_splits, in_splits, *args, **kwargs):
+        n = self.size()
+        mine = in_splits[self.rank()] * _nbytes(inp) // inp.shape[0] if in_splits else \
+            _nbytes(inp) // n
+        self._sent("alltoall_base", _nbytes(inp) - mine)
+        return super().alltoall_base(out, inp, out_splits, in_splits, *args, **kwargs)
+
+    def __getattribute__(self, name):
+        # Every other call (broadcast, gather, send, ...) is logged with unknown bytes (-1): the
+        # tests below expect none inside the calls they measure.
+        if name in ("broadcast", "gather", "scatter", "send", "recv", "recv_anysource",
+                    "barrier", "allgather", "reduce_scatter", "_reduce_scatter_base"):
+            _CountingGloo.log.append((name, object.__getattribute__(self, "size")(), -1))
+        return object.__getattribute__(self, name)
+
+
+def _nbytes(t):
+    return t.numel() * t.element_size()
+
+
 # ---------------------------------------------------------------------------------------
 # Two hosts of two ranks: one launch, checked by the tests below.
 
 def _two_hosts(rank, world, store, hosts):
     os.environ["RINGREDUCE_HOST_ID"] = "ab"[rank // 2]
+    dist.ProcessGroupGloo = _CountingGloo  # this rank's process only (spawned)
     init(rank, world, store)
     pg = dist.group.WORLD
     out = {"pid": os.getpid(), "segments": _mapped_segments(), "layout": comm_of(pg).layout.hosts,
@@ -116,9 +160,9 @@ def _two_hosts(rank, world, store, hosts):
                                                        large)
     problems = out["problems"]
 
-    before = hierarchy.inter_host_bytes(pg)
+    _CountingGloo.log.clear()
     dist.all_reduce(torch.ones(1 << 16))
-    out["bytes"] = hierarchy.inter_host_bytes(pg) - before
+    out["crossed"] = list(_CountingGloo.log)
 
     m = 1031
     for dtype, op in ((torch.float64, "sum"), (torch.int32, "prod"), (torch.float32, "avg"),
@@ -195,10 +239,13 @@ def test_two_hosts_ddp_close_to_gloo(two_hosts):
 
 
 def test_inter_host_bytes_per_rank(two_hosts):
-    # 2 hosts of 2 ranks: each rank hands its shard, half the tensor, to the inter-host
-    # all-gather once: the model's 2*S*(H-1)/(H*L) = S/2.
-    for out in two_hosts:
-        assert out["bytes"] == 4 * (1 << 16) // 2
+    """2 hosts of 2 ranks, a float32 all-reduce of S = 256 KiB: what each rank sends to the other
+    host, counted on the inter-host gloo groups themselves (_CountingGloo), is the model's
+    2*S*(H-1)/(H*L) = S/2, all of it between two members (one rank per host)."""
+    for rank, out in enumerate(two_hosts):
+        calls = out["crossed"]
+        assert calls and all(n == 2 and sent >= 0 for _, n, sent in calls), (rank, calls)
+        assert sum(sent for _, _, sent in calls) == 4 * (1 << 16) // 2, (rank, calls)
 
 
 def test_no_rank_maps_another_hosts_segment(two_hosts):
@@ -252,6 +299,85 @@ def test_uneven_hosts_3_and_1(tmp_path):
     for rank, (problems, _) in enumerate(out):
         assert not problems, f"rank {rank}:\n" + "\n".join(problems)
     assert len({d for _, d in out}) == 1
+
+
+# ---------------------------------------------------------------------------------------
+# RINGREDUCE_HIERARCHICAL=0: one flat ring over both hosts (they share /dev/shm here), and the
+# check that every rank agrees on the switch.
+
+FLAT_CASES = [(torch.float32, "sum", 4099), (torch.float32, "avg", 1000),
+              (torch.bfloat16, "sum", 33), (torch.float64, "max", 7), (torch.int8, "prod", 257)]
+FLAT_COUNTS = (0, 1, 5, 33, 1000, 4099, 1 << 16)
+
+
+def _ring_hop_bytes(count, esize, world, rank):
+    """Bytes rank's successor reads from it in one flat all_reduce, step by step as DESIGN.md
+    describes the ring: at reduce-scatter step s rank r + 1 receives chunk (r - s) mod N, at
+    all-gather step t chunk (r + 1 - t) mod N (reference.chunk_bounds for the chunks)."""
+    bounds = chunk_bounds(count, world, esize)
+
+    def size(c):
+        lo, hi = bounds[c % world]
+        return hi - lo
+
+    steps = [rank - s for s in range(world - 1)] + [rank + 1 - t for t in range(world - 1)]
+    return esize * sum(size(c) for c in steps)
+
+
+def _flat_hosts(rank, world, store):
+    os.environ.update(RINGREDUCE_HOST_ID="ab"[rank // 2], RINGREDUCE_HIERARCHICAL="0")
+    init(rank, world, store)
+    pg = dist.group.WORLD
+    layout = comm_of(pg).layout
+    problems, differs = [], 0
+    for case, (dtype, op, count) in enumerate(FLAT_CASES):
+        inputs = random_inputs(world, count, dtype, op, generator=seeded("flat", dtype, op, count))
+        t = inputs[rank].clone()
+        dist.all_reduce(t, op=_reduce_op(op))
+        if not torch.equal(t.view(torch.uint8), ring_model(inputs, op).view(torch.uint8)):
+            problems.append(f"{dtype} {op} n={count}: differs from the flat ring's model")
+        differs += not torch.equal(t.view(torch.uint8),
+                                   hierarchical_model(inputs, op, layout.hosts).view(torch.uint8))
+    crossed = []
+    for count in FLAT_COUNTS:
+        before = hierarchy.inter_host_bytes(pg)
+        dist.all_reduce(torch.ones(count))
+        crossed.append(hierarchy.inter_host_bytes(pg) - before)
+    dist.destroy_process_group()
+    return layout.hosts, layout.hierarchical, problems, differs, crossed
+
+
+def test_flat_ring_across_hosts_when_hierarchical_is_off(tmp_path):
+    """RINGREDUCE_HIERARCHICAL=0 on two hosts: every result is the flat 4-rank ring's, bit for
+    bit (and at least one differs from the hierarchical path's, so the switch changed the
+    path), and inter_host_bytes counts the bytes of the ring hops that cross a host boundary:
+    rank 1 -> 2 and rank 3 -> 0."""
+    world = 4
+    for rank, (hosts, hierarchical, problems, differs, crossed) in enumerate(
+            values(run_ranks(_flat_hosts, world, tmp_path))):
+        assert hosts == [[0, 1], [2, 3]] and not hierarchical, (hosts, hierarchical)
+        assert not problems, f"rank {rank}:\n" + "\n".join(problems)
+        assert differs, "no case tells the flat ring from the hierarchical path: add one"
+        crosses = rank in (1, 3)
+        want = [_ring_hop_bytes(c, 4, world, rank) if crosses else 0 for c in FLAT_COUNTS]
+        assert crossed == want, (rank, crossed, want)
+
+
+def _disagree(rank, world, store):
+    os.environ["RINGREDUCE_HOST_ID"] = "ab"[rank // 2]
+    if rank == 2:
+        os.environ["RINGREDUCE_HIERARCHICAL"] = "0"
+    try:
+        init(rank, world, store, timeout=20.0)
+        return "joined"
+    except Exception as exc:  # noqa: BLE001 - whatever torch wraps it in, the text is ours
+        return f"{type(exc).__name__}: {exc}"
+
+
+def test_ranks_that_disagree_on_hierarchical_all_fail(tmp_path):
+    for rank, msg in enumerate(values(run_ranks(_disagree, 4, tmp_path))):
+        assert "RINGREDUCE_HIERARCHICAL must be the same on every rank; it is 0 on rank(s) 2 " \
+               "only" in msg, f"rank {rank}: {msg}"
 
 
 # ---------------------------------------------------------------------------------------

@@ -2,9 +2,11 @@
 // GPU). Torch-free: raw device pointers, int64 counts, cudaStream_t. Compiled only in CUDA
 // builds.
 //
-// NOT RUN: compiled with nvcc, never executed on a GPU (none was available while it was
-// written); tests/test_distributed_cuda.py skips without one. Its protocol (handshakes, rounds
-// and slots, stream and event ordering, teardown) runs on a fake CUDA runtime in
+// Ran on an H100 on 2026-11-26 (docs/GPU_SESSION.md): every collective bitwise at 2 to 4
+// processes sharing one GPU, both allocators, empty_cache in flight; a rank whose collective
+// fails (a peer dead, hung or aborted) then died of SIGSEGV, somewhere above this layer (the
+// fake runtime's protocol tests of the same failures pass). Its protocol (handshakes, rounds
+// and slots, stream and event ordering, teardown) also runs on a fake CUDA runtime in
 // tests/test_cuda_protocol.py.
 //
 // Data: no process ever maps another process's user tensor. At its first CUDA collective every

@@ -5,6 +5,7 @@ Every check runs the same function under gloo and under ringreduce in spawned ra
 records the collective too, and compares what torch dumps (torch._C._distributed_c10d's
 _dump_fr_trace_json, _dump_fr_trace) or what the analyzer says of the dump files.
 """
+import datetime
 import json
 import os
 import pickle
@@ -17,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from checks import communicate_bounded
-from test_distributed import init, run_ranks, values
+from test_distributed import SPAWN_TIMEOUT, init, run_ranks, values
 
 FR_ENV = {"TORCH_FR_BUFFER_SIZE": "200"}
 # The group timeout of the failure scenarios: what a rank that never calls costs the others.
@@ -180,6 +181,7 @@ def test_nothing_recorded_when_the_recorder_is_off(tmp_path, monkeypatch, size):
 # beside what it says of gloo's dumps (which the script writes itself: gloo does not dump).
 
 def _failing(rank, world, store, backend, scenario, dump_dir):
+    _meet(rank, world, store)
     init(rank, world, store, backend=backend, timeout=FAIL_TIMEOUT_S)
     t = torch.arange(4.0) + rank
     dist.all_reduce(t)
@@ -204,6 +206,15 @@ def _failing(rank, world, store, backend, scenario, dump_dir):
         with open(own_dump, "wb") as f:
             f.write(torch._C._distributed_c10d._dump_fr_trace(True, True, False))
     return error
+
+
+def _meet(rank, world, store):
+    """Waits (up to SPAWN_TIMEOUT) until every rank has started and imported torch, so that the
+    group's short timeout bounds the failure alone, not the ranks' start: 4 spawned ranks on a
+    loaded 2-core machine start seconds apart."""
+    met = dist.FileStore(f"{store}-meet", world)
+    met.set(f"up{rank}", "1")
+    met.wait([f"up{r}" for r in range(world)], datetime.timedelta(seconds=SPAWN_TIMEOUT))
 
 
 def _wait_for_dumps(paths, timeout_s):

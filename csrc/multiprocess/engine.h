@@ -477,14 +477,19 @@ class Engine : public std::enable_shared_from_this<Engine> {
   // completed; completed (with its duration when timed) once `done` is true.
   void report_gpu(const Inflight& f, bool done) {
     if (!f.work || !f.work->trace().on || !f.start) return;
-    try {
-      if (done) {
-        std::optional<float> ms;
+    if (done) {
+      // Completed and retired whether or not the duration can be read.
+      std::optional<float> ms;
+      try {
         if (g_->fr->timing()) ms = f.start->elapsed_ms(*f.end);
-        g_->fr->finished(f.work->trace(), true, ms);
-      } else if (f.start->query()) {
-        g_->fr->started(f.work->trace());
+      } catch (const std::exception&) {
+        ms.reset();
       }
+      g_->fr->finished(f.work->trace(), true, ms);
+      return;
+    }
+    try {
+      if (f.start->query()) g_->fr->started(f.work->trace());
     } catch (const std::exception&) {
       // A CUDA error: the watchdog reports it through the end event.
     }

@@ -12,7 +12,8 @@ any source (recorded "recv 2<-*", which no analyzer entry can name) is read as a
 an unknown rank: it matches no send.
 
 The dumps are the ones ringreduce writes on a failure (TORCH_FR_DUMP_TEMP_FILE + rank) or
-torch._C._distributed_c10d._dump_fr_trace writes; docs/FLIGHT_RECORDER.md has the workflow.
+torch._C._distributed_c10d._dump_fr_trace writes; docs/BACKEND.md ("Flight recorder") has the
+workflow.
 """
 import sys
 

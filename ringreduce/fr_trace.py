@@ -4,7 +4,7 @@
 
 is `python -m torch.distributed.flight_recorder.fr_trace DIR ...` (the same code, arguments
 and output) with one change: torch's analyzer accepts only the backends it knows by name in an
-entry's profiling name (nccl, gloo, xccl, ...; torch 2.11 to 2.14.1) and stops on
+entry's profiling name (nccl and xccl on torch 2.11; gloo and others too from 2.13) and stops on
 "ringreduce:all_reduce" with "name formatting error? ringreduce not in {...}". Here an entry
 named "ringreduce:<op>" is read as the analyzer reads any backend's "<backend>:<op>" (the
 backend's name plays no other part in it), and its name is shown as recorded. A receive from
@@ -18,8 +18,9 @@ workflow.
 import sys
 
 BACKEND = "ringreduce"
-# A name torch's analyzer accepts in place of ours while it parses an entry.
-_STAND_IN = "gloo"
+# A name torch's analyzer accepts in place of ours while it parses an entry: nccl, which every
+# release accepts (torch 2.11's accepts only nccl and xccl; gloo from 2.13).
+_STAND_IN = "nccl"
 
 
 def accept_ringreduce_entries():

@@ -31,6 +31,19 @@ SAME_FIELDS = ("record_id", "process_group", "collective_seq_id", "p2p_seq_id", 
                "is_p2p", "thread_name")
 
 
+# torch 2.11's gloo has no all_to_all ("Backend gloo does not support alltoall"; 2.13 has).
+GLOO_ALL_TO_ALL = tuple(int(v) for v in torch.__version__.split(".")[:2]) >= (2, 13)
+
+
+def _analyzer_reads_gloo():
+    """torch 2.11's analyzer reads only nccl's and xccl's dumps ("name formatting error? gloo
+    != 'nccl' or 'xccl'"); 2.13's reads gloo's too."""
+    import inspect
+
+    from torch.distributed.flight_recorder.components import types
+    return '"gloo"' in inspect.getsource(types.Op.__init__)
+
+
 def _dump_json():
     return json.loads(torch._C._distributed_c10d._dump_fr_trace_json(True, False))
 
@@ -62,8 +75,9 @@ def _collectives(rank, world, store, backend):
     dist.gather(t, [torch.empty(4) for _ in range(world)] if rank == 0 else None, 0)
     dist.scatter(torch.empty(4), [t.clone() for _ in range(world)] if rank == 0 else None, 0)
     dist.all_to_all_single(torch.empty(2 * world), torch.arange(2.0 * world))
-    dist.all_to_all([torch.empty(3) for _ in range(world)],
-                    [torch.full((3,), float(rank)) for _ in range(world)])
+    if GLOO_ALL_TO_ALL:
+        dist.all_to_all([torch.empty(3) for _ in range(world)],
+                        [torch.full((3,), float(rank)) for _ in range(world)])
     dist.barrier()
     return _dump_json(), _dump_pickle()
 
@@ -287,6 +301,9 @@ def test_analyzer_names_the_mismatched_collective(tmp_path):
     assert ("Culprit rank 2; Error type: COLLECTIVE_TYPE_MISMATCH, Expected collective type: "
             "'all_reduce' does not match found collective type: 'broadcast'") in ours, ours
     assert "collective: ringreduce:all_reduce" in ours, ours
+    if not _analyzer_reads_gloo():
+        pytest.skip("ringreduce's findings checked; torch " + torch.__version__ + "'s analyzer "
+                    "cannot read gloo's dumps to compare (nccl and xccl only before 2.13)")
     _, gloos = _run_failing(tmp_path, "gloo", "mismatch")
     assert _findings(ours) == _findings(gloos), (ours, gloos)
 
@@ -297,5 +314,8 @@ def test_analyzer_names_the_missing_rank(tmp_path):
     assert errors[3] is None and all(errors[:3]), errors
     assert "Not all ranks joining collective, sequence number: 4" in ours, ours
     assert "missing ranks: {3}" in ours, ours
+    if not _analyzer_reads_gloo():
+        pytest.skip("ringreduce's findings checked; torch " + torch.__version__ + "'s analyzer "
+                    "cannot read gloo's dumps to compare (nccl and xccl only before 2.13)")
     _, gloos = _run_failing(tmp_path, "gloo", "missing")
     assert _findings(ours) == _findings(gloos), (ours, gloos)

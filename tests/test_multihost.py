@@ -4,6 +4,7 @@ Hosts come from RINGREDUCE_HOST_ID (spawned ranks) or from torchrun's GROUP_RANK
 launchers); the hosts share no shared-memory segment and meet only through gloo over TCP. Each
 spawned launch runs many checks inside its ranks (starting a rank costs a torch import).
 """
+import ctypes
 import datetime
 import hashlib
 import os
@@ -12,6 +13,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -20,7 +22,7 @@ import torch.distributed as dist
 
 from reference import ALL_DTYPES, _combine, _int_avg, assert_close_to_wide, random_inputs, valid_ops
 from ringreduce import hierarchy
-from ringreduce.distributed import comm_of
+from ringreduce.distributed import comm_of, inter_host_bytes
 from checks import communicate_bounded, ddp_steps, free_port
 from test_distributed import init, run_ranks, values
 
@@ -116,9 +118,9 @@ def _two_hosts(rank, world, store, hosts):
                                                        large)
     problems = out["problems"]
 
-    before = hierarchy.inter_host_bytes(pg)
+    before = inter_host_bytes(pg)
     dist.all_reduce(torch.ones(1 << 16))
-    out["bytes"] = hierarchy.inter_host_bytes(pg) - before
+    out["bytes"] = inter_host_bytes(pg) - before
 
     m = 1031
     for dtype, op in ((torch.float64, "sum"), (torch.int32, "prod"), (torch.float32, "avg"),
@@ -363,6 +365,48 @@ def test_two_hosts_gather_scatter_all_to_all_and_p2p(tmp_path):
     msg = out[0][1]
     assert "recv from host 'b' (rank 2) with tag 99" in msg and "timed out" in msg, msg
     print(msg)
+
+
+GIL_HELD_S = 5.0
+
+
+def _gil_held(rank, world, store):
+    """Rank 0 queues an all-reduce, then a thread of its own holds the GIL for GIL_HELD_S (a C
+    call through ctypes.PyDLL, which keeps it); the other ranks join the all-reduce a little
+    later, so rank 0's part of it runs while the GIL is held. It needs no Python there, so the
+    ranks of the other host finish long before the GIL is free again."""
+    os.environ["RINGREDUCE_HOST_ID"] = "ab"[rank // 2]
+    init(rank, world, store)
+    t = torch.full((1000,), float(rank + 1))
+    dist.all_reduce(t)  # the inter-host groups are made by now
+    dist.barrier()
+    start = time.monotonic()
+    if rank == 0:
+        work = dist.all_reduce(t, async_op=True)
+        holder = threading.Thread(target=ctypes.PyDLL(None).usleep,
+                                  args=(int(GIL_HELD_S * 1e6),))
+        holder.start()
+        work.wait()
+        holder.join()
+    else:
+        time.sleep(0.5)  # rank 0's collective starts first
+        dist.all_reduce(t)
+    elapsed = time.monotonic() - start
+    right = torch.equal(t, torch.full((1000,), 4.0 * 10))
+    dist.barrier()
+    dist.destroy_process_group()
+    return elapsed, right
+
+
+@pytest.mark.timeout(300)
+def test_collectives_across_hosts_need_no_python(tmp_path):
+    out = values(run_ranks(_gil_held, 4, tmp_path))
+    assert all(right for _, right in out), out
+    assert out[0][0] >= GIL_HELD_S  # the GIL was held
+    for rank in (2, 3):
+        assert out[rank][0] < GIL_HELD_S / 2, (
+            f"rank {rank} waited {out[rank][0]:.1f} s for rank 0, whose GIL another thread held "
+            f"for {GIL_HELD_S} s: the collective needed Python there")
 
 
 FAULT_TIMEOUT = 8.0

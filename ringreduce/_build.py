@@ -45,7 +45,7 @@ EXTENSIONS = {
 SOURCE_SUFFIXES = (".cpp", ".cu", ".h", ".cuh")
 
 # Wall seconds measured on the shared 2-core CI machine (CUDA: one arch), what the progress line
-# promises (README, Install).
+# promises (docs/INSTALL.md).
 TYPICAL_BUILD_S = {("_C", False): 60, ("_dist_C", False): 150, ("_C", True): 110,
                    ("_dist_C", True): 85}
 

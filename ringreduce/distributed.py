@@ -102,7 +102,8 @@ def register_backend():
         return False
     if BACKEND_NAME.upper() in dist.Backend._plugins:
         return True
-    dist.Backend.register_backend(BACKEND_NAME, _create_backend, devices=["cpu", "cuda"])
+    dist.Backend.register_backend(BACKEND_NAME, _create_backend_from_options, extended_api=True,
+                                  devices=["cpu", "cuda"])
     _keep_shrunk_backend_type()
     atexit.register(_shutdown_at_exit)
     return True
@@ -218,8 +219,16 @@ def _extend(ext):
             doc="Which host every rank of the group is on (hierarchy.Layout).")
 
 
-def _create_backend(store, rank, world_size, timeout):
-    """The rendezvous (in Python: it runs once), then the C++ backend over its executor."""
+def _create_backend_from_options(opts, backend_options=None):
+    """torch's call of a plugin registered with extended_api: the group's global ranks come
+    along (the flight recorder names them; the default group's list is empty: all ranks)."""
+    return _create_backend(opts.store, opts.group_rank, opts.group_size, opts.timeout,
+                           global_ranks=list(opts.global_ranks_in_group))
+
+
+def _create_backend(store, rank, world_size, timeout, global_ranks=None):
+    """The rendezvous (in Python: it runs once), then the C++ backend over its executor.
+    `global_ranks`: the members' global ranks (None or empty: 0 .. world_size - 1)."""
     from . import _dist_C
 
     _extend(_dist_C)
@@ -258,7 +267,8 @@ def _create_backend(store, rank, world_size, timeout):
         if layout.nhosts > 1:
             hosts = layout.host_of  # one ring over hosts sharing memory: count what crosses
     return _dist_C.Backend(comm, rank, world_size, timeout_s,
-                           async_engine=_env.flag("RINGREDUCE_ASYNC"), store=store, hosts=hosts)
+                           async_engine=_env.flag("RINGREDUCE_ASYNC"), store=store,
+                           global_ranks=list(global_ranks or range(world_size)), hosts=hosts)
 
 
 def _join_comm(store, prefix, rank, size, suffix, timeout_s, name_missing, group_rank):
@@ -286,23 +296,30 @@ def _join_comm(store, prefix, rank, size, suffix, timeout_s, name_missing, group
     return comm
 
 
-def _split_backend(store, ranks, timeout_s, rank, size):
+def _split_backend(store, ranks, timeout_s, rank, size, global_ranks=None):
     """Backend.split (ProcessGroup.split_group, dist.split_group): the group of the parent's
     `ranks`, made over `store` (torch's prefix store of the new group) by its members alone;
-    None on the other ranks."""
+    None on the other ranks. `global_ranks`: the parent's members' global ranks."""
     members = sorted(ranks)
     if rank not in members:
         return None
-    return _create_backend(store, members.index(rank), len(members), timeout_s)
+    return _create_backend(store, members.index(rank), len(members), timeout_s,
+                           global_ranks=_members_global(members, global_ranks))
 
 
-def _shrink_backend(store, excluded, timeout_s, count, rank, size):
+def _shrink_backend(store, excluded, timeout_s, count, rank, size, global_ranks=None):
     """Backend.shrink (dist.shrink_group): the parent's group without `excluded`, made over the
     parent's store under a prefix numbered per shrink of that parent (`count`), which every
     survivor derives alike; the excluded ranks take no part."""
     survivors = [r for r in range(size) if r not in set(excluded)]
     shrunk = dist.PrefixStore(f"ringreduce/shrink/{count}/", store)
-    return _create_backend(shrunk, survivors.index(rank), len(survivors), timeout_s)
+    return _create_backend(shrunk, survivors.index(rank), len(survivors), timeout_s,
+                           global_ranks=_members_global(survivors, global_ranks))
+
+
+def _members_global(members, parent_global):
+    """The global ranks of the parent's group ranks `members`."""
+    return [parent_global[m] for m in members] if parent_global else list(members)
 
 
 def _gather_keys(store, prefix, deadline, what, size, timeout_s, name_missing, rank):

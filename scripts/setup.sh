@@ -70,7 +70,7 @@ if [ ${#optional[@]} -gt 0 ]; then
 fi
 
 # No build isolation: the build compiles both extensions against the installed torch now (a
-# plain `pip install -e .` would leave that to the first import; README, Install), and must
+# plain `pip install -e .` would leave that to the first import; docs/INSTALL.md), and must
 # work without network.
 $PY -m pip install -q --no-build-isolation --no-deps --use-pep517 -e .
 $PY -c "import ringreduce, json; print('setup: ringreduce', json.dumps(ringreduce.build_info()))"

@@ -9,9 +9,11 @@ inputs were written.
 
 Also what every GPU test module shares: `needs_cuda` (skip, or fail under
 RINGREDUCE_REQUIRE_CUDA=1, where no GPU test can run) and `sleep_cycles`; and the helpers more
-than one test module needs: `free_port`, `communicate_bounded`, `load_module` (bench/ scripts),
-`small_net`/`ddp_steps` (the DDP model), `thread_count`, `rss_kib`, `fd_count`.
+than one test module needs: `free_port`, `communicate_bounded`, `run_bounded`, `load_module`
+(bench/ scripts), `small_net`/`ddp_steps` (the DDP model), `thread_count`, `fd_count`,
+`anon_rss_kib`, `heap_bytes`.
 """
+import ctypes
 import glob
 import importlib.util
 import os
@@ -260,6 +262,17 @@ def communicate_bounded(proc, timeout):
         return f"{out}\n(killed after {timeout} s)"
 
 
+def run_bounded(cmd, timeout, stderr=subprocess.STDOUT, **popen_kwargs):
+    """Runs `cmd` (a launcher: torchrun, a bench that spawns ranks) in a session of its own, so
+    that past `timeout` communicate_bounded kills it with every process it started; a timed-out
+    launcher's workers would run on into later tests otherwise. Returns (exit status, stdout),
+    stderr in stdout unless `stderr` (a file) says where else."""
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=stderr, text=True,
+                            start_new_session=True, **popen_kwargs)
+    out = communicate_bounded(proc, timeout)
+    return proc.returncode, out
+
+
 def load_module(name, path):
     """Imports a script (bench/ring.py, ...) as module `name`."""
     spec = importlib.util.spec_from_file_location(name, path)
@@ -304,12 +317,38 @@ def fd_count():
     return len(os.listdir("/proc/self/fd"))
 
 
-def rss_kib():
+def anon_rss_kib():
+    """Resident anonymous memory (RssAnon): the heap, pymalloc's arenas and other private
+    mappings, without the shared-memory segments (VmRSS counts their pages as they are first
+    touched, which a long run of point-to-point messages does for a whole ring)."""
     with open("/proc/self/status") as f:
         for line in f:
-            if line.startswith("VmRSS:"):
+            if line.startswith("RssAnon:"):
                 return int(line.split()[1])
-    raise RuntimeError("no VmRSS in /proc/self/status")
+    raise RuntimeError("no RssAnon in /proc/self/status")
+
+
+class _Mallinfo2(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_size_t) for name in (
+        "arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks",
+        "fordblks", "keepcost")]
+
+
+_libc = None
+
+
+def heap_bytes():
+    """Bytes malloc (glibc, every arena: C++ new included) has handed out and not had back,
+    exact to the chunk; None where the C library has no mallinfo2 (glibc < 2.33, musl)."""
+    global _libc
+    if _libc is None:
+        _libc = ctypes.CDLL(None)
+        if hasattr(_libc, "mallinfo2"):
+            _libc.mallinfo2.restype = _Mallinfo2
+    if not hasattr(_libc, "mallinfo2"):
+        return None
+    info = _libc.mallinfo2()
+    return info.uordblks + info.hblkhd
 
 
 def segments_of(pids):

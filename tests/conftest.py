@@ -10,9 +10,10 @@
    `environment_restored` fixture below fails a test that leaks one); /dev/shm checked per
    test's own segments (checks.segments_of with the ranks' pids), never every segment on the
    machine; threads counted from /proc/self/task (checks.thread_count), which sees C++ threads.
-5. Every wait is bounded: each test gets DEFAULT_TIMEOUT_S through pytest-timeout unless it
-   has its own @pytest.mark.timeout; subprocesses run with a timeout, in their own session when
-   they start children, and are killed by process group (checks.communicate_bounded).
+5. Every wait is bounded: each test gets DEFAULT_TIMEOUT_S through pytest-timeout (required:
+   the session refuses to start without it) unless it has its own @pytest.mark.timeout;
+   subprocesses run with a timeout, in their own session when they start children, and are
+   killed by process group (checks.communicate_bounded, checks.run_bounded for launchers).
 6. GPU tests use checks.needs_cuda (skip with the reason, fail under
    RINGREDUCE_REQUIRE_CUDA=1), never a home-made skipif. Whatever can run on CPU runs on CPU.
 7. Assert ringreduce's behaviour, not one torch release's: where torch's own exception type or
@@ -33,10 +34,6 @@ DEFAULT_TIMEOUT_S = 900
 
 
 def pytest_collection_modifyitems(config, items):
-    if not config.pluginmanager.hasplugin("timeout"):
-        print("conftest: warning: pytest-timeout is not installed (scripts/setup.sh installs "
-              "it); tests run without a time bound", file=sys.stderr)
-        return
     # A bound given on the command line (`--timeout=120`, as scripts/gpu_check.sh gives) applies
     # to every test without a marker of its own: a marker would take precedence over it.
     if config.getoption("timeout", None):
@@ -66,6 +63,12 @@ def environment_restored():
 
 
 def pytest_configure(config):
+    # Rule 5: without pytest-timeout no test has a bound, and a hang would stall the run.
+    if not config.pluginmanager.hasplugin("timeout"):
+        raise pytest.UsageError(
+            "tests/conftest.py: pytest-timeout is required (it bounds every test) but is not "
+            "installed or was disabled (-p no:timeout); install it: pip install pytest-timeout "
+            "(scripts/setup.sh does)")
     config.addinivalue_line("markers", "needs_cuda: a GPU test (checks.needs_cuda)")
 
 

@@ -7,6 +7,9 @@
 //   oneshot COUNT ESIZE VEC RESIDENT                        -> blocks of a one-shot launch
 //   stride MAX_HOP_BYTES                                    -> bytes between staging slots
 //   threads                                                 -> step, one-shot, fused block size
+//   chunks COUNT NRANKS ESIZE        -> the ring's chunks (schedule.h), "offset:count" each
+//   pieces COUNT NRANKS ESIZE PIECE  -> per chunk, the staged rounds' pieces "begin:count"
+//                                       separated by ",", chunks separated by " "
 #include <cstdint>
 #include <exception>
 #include <iostream>
@@ -14,6 +17,7 @@
 #include <string>
 
 #include "ring/launch.h"
+#include "ring/schedule.h"
 
 int main() {
   std::string line;
@@ -47,6 +51,28 @@ int main() {
         int64_t bytes;
         in >> bytes;
         std::cout << rr::stage_slot_stride(bytes) << "\n";
+      } else if (what == "chunks") {
+        int64_t count, nranks, esize;
+        in >> count >> nranks >> esize;
+        for (int c = 0; c < int(nranks); ++c) {
+          const rr::Range r = rr::chunk_range(count, int(nranks), esize, c);
+          std::cout << (c ? " " : "") << r.offset << ":" << r.count;
+        }
+        std::cout << "\n";
+      } else if (what == "pieces") {
+        int64_t count, nranks, esize, piece;
+        in >> count >> nranks >> esize >> piece;
+        for (int c = 0; c < int(nranks); ++c) {
+          std::cout << (c ? " " : "");
+          // Rounds until this chunk's piece is empty (at most count / piece + 2 of them).
+          for (int64_t round = 0; round <= count / piece + 1; ++round) {
+            int64_t begin = 0;
+            const int64_t n = rr::chunk_piece(count, int(nranks), esize, c, piece, round, &begin);
+            if (n == 0) break;
+            std::cout << (round ? "," : "") << begin << ":" << n;
+          }
+        }
+        std::cout << "\n";
       } else if (what == "threads") {
         std::cout << rr::kStepThreads << " " << rr::kOneshotThreads << " " << rr::kFusedThreads
                   << "\n";

@@ -1,16 +1,16 @@
 """bench/ddp.py on CPU with tiny sweeps: the peers (MPICH, DeepSpeed) as columns where they are
 installed and as a "not installed" line with the install command where they are not, the
 summary table, the copy-bandwidth header and --ranks 1. Neither peer is needed: CI has neither.
-Speed is never asserted here. Every run is bounded by a subprocess timeout."""
+Speed is never asserted here. Every run is bounded by a timeout (checks.run_bounded)."""
 import importlib.util
 import json
-import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
 
-from checks import load_module
+from checks import load_module, run_bounded
 
 ROOT = Path(__file__).resolve().parents[1]
 BENCH = ROOT / "bench" / "ddp.py"
@@ -35,9 +35,11 @@ def run_bench(args, hide_peers=False):
         cmd = [sys.executable, "-c", code]
     else:
         cmd = [sys.executable, str(BENCH), *args]
-    res = subprocess.run(cmd, capture_output=True, text=True, timeout=TIMEOUT, cwd=ROOT)
-    assert res.returncode == 0, res.stdout + res.stderr
-    return res.stdout
+    with tempfile.TemporaryFile("w+") as err:
+        code, out = run_bounded(cmd, TIMEOUT, stderr=err, cwd=ROOT)  # it spawns ranks
+        err.seek(0)
+        assert code == 0, out + err.read()
+    return out
 
 
 def summary(text):

@@ -4,14 +4,13 @@ of its sharded state dict, a PyTorch-Lightning-style metric sync (AVG on int64),
 under torchrun."""
 import datetime
 import importlib.util
-import subprocess
 import sys
 
 import pytest
 import torch
 import torch.distributed as dist
 
-from checks import free_port
+from checks import free_port, run_bounded
 from test_distributed import run_ranks, values
 
 
@@ -126,11 +125,12 @@ out.close()
 
 
 def _torchrun(script, *args, timeout):
-    """Runs `script` under torchrun with 2 processes on this host; returns the CompletedProcess."""
-    return subprocess.run(
+    """Runs `script` under torchrun with 2 processes on this host, in a session of its own
+    (checks.run_bounded); returns (exit status, output)."""
+    return run_bounded(
         [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
          "--master_addr", "127.0.0.1", "--master_port", str(free_port()), str(script),
-         *map(str, args)], capture_output=True, text=True, timeout=timeout)
+         *map(str, args)], timeout)
 
 
 @pytest.mark.skipif(importlib.util.find_spec("accelerate") is None,
@@ -143,8 +143,8 @@ def test_accelerate_on_cpu_needs_the_group_initialised_first(tmp_path):
     script.write_text(ACCELERATE_SCRIPT)
     out = {}
     for mode in ("kwarg", "init"):
-        proc = _torchrun(script, mode, tmp_path, timeout=180)
-        assert proc.returncode == 0, proc.stdout + proc.stderr
+        code, log = _torchrun(script, mode, tmp_path, timeout=180)
+        assert code == 0, log
         out[mode] = [(tmp_path / f"{mode}-{rank}").read_text() for rank in range(2)]
     assert all(r.startswith("refused") and "gloo" in r for r in out["kwarg"]), out["kwarg"]
     assert out["init"] == ["ringreduce [3.0] [1, 11]"] * 2, out["init"]
@@ -189,7 +189,7 @@ torch.save({"params": params, "loss": trainer.callback_metrics["loss"]},
 
 
 @pytest.mark.skipif(importlib.util.find_spec("lightning") is None,
-                    reason="lightning is not installed (pip install lightning)")
+                    reason="lightning is not installed (.ci/run installs it)")
 def test_lightning_ddp_under_torchrun_trains_like_gloo(tmp_path):
     """Lightning's DDPStrategy with process_group_backend="ringreduce" under torchrun: the same
     parameters and logged loss as with gloo, on both ranks."""
@@ -197,8 +197,8 @@ def test_lightning_ddp_under_torchrun_trains_like_gloo(tmp_path):
     script.write_text(LIGHTNING_SCRIPT)
     got = {}
     for backend in ("gloo", "ringreduce"):
-        proc = _torchrun(script, backend, tmp_path / backend, timeout=240)
-        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+        code, log = _torchrun(script, backend, tmp_path / backend, timeout=240)
+        assert code == 0, log[-6000:]
         got[backend] = [torch.load(tmp_path / f"{backend}-{r}.pt") for r in range(2)]
     for r in range(2):
         assert torch.equal(got["ringreduce"][r]["params"], got["gloo"][r]["params"]), r

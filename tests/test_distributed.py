@@ -476,8 +476,8 @@ def _timed_all_reduce(t):
     pytest.param("cuda:0", "kill", 2, marks=needs_cuda),
     pytest.param("cuda:0", "hang", 2, marks=needs_cuda)])
 def test_lost_rank_fails_within_timeout(tmp_path, device, mode, victim):
-    """A rank killed (SIGKILL), gone through os._exit, or hung: the others fail within the
-    timeout naming it, "exited" for a dead rank (at once) and "timed out" for a live one; no
+    """A rank killed (SIGKILL), gone through os._exit, or hung: the others fail naming it,
+    "exited" for a dead rank (at once) and "timed out" for a live one (after the timeout); no
     segment of this run is left in /dev/shm, the dead rank's included."""
     world = 3
     results = run_ranks(_killed, world, tmp_path, mode, device, victim)
@@ -490,10 +490,68 @@ def test_lost_rank_fails_within_timeout(tmp_path, device, mode, victim):
         assert "all_reduce" in msg and f"rank {victim}" in msg, msg
         if mode == "hang":
             assert "timed out" in msg and "exited" not in msg, msg
-            assert elapsed < FAULT_TIMEOUT + 2.0, f"took {elapsed:.1f} s: {msg}"
+            # The timeout, neither sooner (a wait cut short) nor much later.
+            assert FAULT_TIMEOUT - 0.5 < elapsed < FAULT_TIMEOUT + 2.0, (
+                f"took {elapsed:.1f} s with a {FAULT_TIMEOUT} s timeout: {msg}")
         else:
             assert "exited" in msg and "timed out" not in msg, msg
             assert elapsed < FAULT_TIMEOUT / 2, f"took {elapsed:.1f} s to see the exit: {msg}"
+    assert not segments_of(results.pids), f"left in /dev/shm: {segments_of(results.pids)}"
+
+
+# A peer lost for good: teardown must not wait for it. The timeout is long, so that a teardown
+# that waited for the lost peer (up to the timeout) shows. (The CUDA variants:
+# test_distributed_cuda.py's test_killed_rank_fails_the_others and
+# test_teardown_does_not_wait_for_an_aborted_peer.)
+TEARDOWN_TIMEOUT = 20.0
+LINGER_S = 4.0
+
+
+def _lost_then_teardown(rank, world, store, how, victim):
+    init(rank, world, store, timeout=TEARDOWN_TIMEOUT)
+    pg = dist.group.WORLD
+    t = torch.ones(1000)
+    dist.all_reduce(t)
+    if rank == victim:
+        if how == "abort":
+            pg.abort()
+            time.sleep(LINGER_S)  # aborted but alive, its group not yet destroyed
+            start = time.monotonic()
+            dist.destroy_process_group()
+            return "aborted", 0.0, time.monotonic() - start
+        for _ in range(3):  # queued, not finished: the peers may already be waiting on them
+            dist.all_reduce(t, async_op=True)
+        if how == "kill":
+            os.kill(os.getpid(), signal.SIGKILL)
+        os._exit(3)  # no cleanup at all, like a crash
+    for _ in range(100):  # the victim's queued collectives may meet the first few of these
+        msg, failed_s = _timed_all_reduce(t)
+        if msg != "no error":
+            break
+    start = time.monotonic()
+    dist.destroy_process_group()
+    return msg, failed_s, time.monotonic() - start
+
+
+@pytest.mark.parametrize("how,world,victim", [("abort", 3, 0), ("kill", 3, 2), ("exit", 2, 0)])
+def test_teardown_does_not_wait_for_a_lost_peer(tmp_path, how, world, victim):
+    """A peer aborted (and alive for LINGER_S more before it destroys its group), or killed
+    (SIGKILL) or gone through os._exit right after queuing collectives: the others' failing
+    all_reduce raises at once naming it, and every rank's destroy_process_group (the aborting
+    one's too) returns within 3 s, far below the 20 s timeout; no segment of the run is left."""
+    results = run_ranks(_lost_then_teardown, world, tmp_path, how, victim)
+    if how != "abort":
+        assert results[victim][0] == "died", results[victim]
+    for rank in range(world):
+        if rank == victim and how != "abort":
+            continue
+        status, value = results[rank]
+        assert status == "ok", value
+        msg, failed_s, teardown_s = value
+        if rank != victim:
+            assert "all_reduce" in msg and f"rank {victim}" in msg, msg
+            assert failed_s < 5.0, f"rank {rank} took {failed_s:.1f} s to fail: {msg}"
+        assert teardown_s < 3.0, f"rank {rank}: destroy_process_group took {teardown_s:.1f} s"
     assert not segments_of(results.pids), f"left in /dev/shm: {segments_of(results.pids)}"
 
 

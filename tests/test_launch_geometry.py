@@ -1,5 +1,5 @@
 """The CUDA kernels' launch geometry (csrc/ring/launch.h) on the CPU, for the capacities of real
-GPUs.
+GPUs, and the ring's chunking (csrc/ring/schedule.h), which every executor uses.
 
 The launchers ask the device only how many blocks of a kernel it holds at once (SMs x the
 occupancy calculation, which depends on each kernel's registers: docs/PTXAS.md); every number
@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from fake_cuda.build import CSRC, CXX, build
+from reference import chunk_bounds
 
 pytestmark = pytest.mark.skipif(CXX is None or not sys.platform.startswith("linux"),
                                 reason="needs a C++ compiler on Linux")
@@ -139,3 +140,39 @@ def test_staging_slots_are_16_byte_aligned(ask):
     for b, answer in zip(sizes, ask([f"stride {b}" for b in sizes])):
         stride = int(answer)
         assert stride % 16 == 0 and b <= stride < b + 16, (b, stride)
+
+
+def _ranges(text, sep):
+    """"offset:count" items separated by `sep` -> [(lo, hi)]."""
+    return [(int(a), int(a) + int(b)) for a, b in (item.split(":") for item in text.split(sep)
+                                                   if item)]
+
+
+def test_ring_chunks_cover_every_element_once(ask):
+    """The code's chunks (rr::chunk_range): one per rank, consecutive from 0 to count, every
+    non-empty one starting on a 16-byte boundary, and the bounds of reference.chunk_bounds, which
+    the tests' ring model reduces by. The staged executors' rounds (rr::chunk_piece) cut each
+    chunk into consecutive pieces of at most `piece` elements, in order, covering it once."""
+    cases = [(count, n, esize) for count in (0, 1, 5, 15, 16, 17, 1000, 4097, (1 << 31) + 33)
+             for n in range(1, 9) for esize in (1, 2, 4, 8)]
+    chunks = ask([f"chunks {c} {n} {e}" for c, n, e in cases])
+    for case, answer in zip(cases, chunks):
+        count, n, esize = case
+        bounds = _ranges(answer, " ")
+        assert len(bounds) == n, (case, answer)
+        assert bounds[0][0] == 0 and bounds[-1][1] == count, (case, answer)
+        assert all(b[1] == c[0] for b, c in zip(bounds, bounds[1:])), (case, answer)
+        assert all((lo * esize) % 16 == 0 for lo, hi in bounds if hi > lo), (case, answer)
+        assert bounds == chunk_bounds(count, n, esize), (case, answer)
+    staged = [(count, n, esize, piece) for count, n, esize in cases if count < 1 << 20
+              for piece in (1, 3, 64)]
+    pieces = ask([f"pieces {c} {n} {e} {p}" for c, n, e, p in staged])
+    for case, answer in zip(staged, pieces):
+        count, n, esize, piece = case
+        per_chunk = answer.split(" ")
+        assert len(per_chunk) == n, (case, answer)
+        for (lo, hi), text in zip(chunk_bounds(count, n, esize), per_chunk):
+            parts = _ranges(text, ",")
+            covered = [i for a, b in parts for i in range(a, b)]
+            assert covered == list(range(lo, hi)), (case, lo, hi, text)
+            assert all(b - a <= piece for a, b in parts), (case, text)

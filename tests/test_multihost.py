@@ -20,10 +20,11 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from reference import ALL_DTYPES, _combine, _int_avg, assert_close_to_wide, random_inputs, valid_ops
+from reference import (ALL_DTYPES, _combine, _int_avg, assert_close_to_wide, chunk_bounds,
+                       random_inputs, ring_model, valid_ops)
 from ringreduce import hierarchy
 from ringreduce.distributed import comm_of, inter_host_bytes
-from checks import communicate_bounded, ddp_steps, free_port
+from checks import communicate_bounded, ddp_steps, free_port, seeded
 from test_distributed import init, run_ranks, values
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -101,11 +102,33 @@ def _ddp(rank, group, steps=4):
     return [p.detach().clone() for p in ddp_steps(rank, group, steps=steps).parameters()]
 
 
+class _CountingGloo(dist.ProcessGroupGloo):
+    """torch's gloo group, logging every collective called on it through Python. Installed as
+    dist.ProcessGroupGloo in a rank's process before init, so that the inter-host groups
+    hierarchy.group_factory makes are these. The backend calls them from C++ (xhost.h), through
+    c10d::Backend, so a collective across hosts leaves this log empty: no Python on the way."""
+
+    log = []
+    made = 0
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        _CountingGloo.made += 1
+
+    def __getattribute__(self, name):
+        if name in ("allreduce", "_allgather_base", "alltoall_base", "broadcast", "gather",
+                    "scatter", "send", "recv", "recv_anysource", "barrier", "allgather",
+                    "reduce_scatter", "_reduce_scatter_base"):
+            _CountingGloo.log.append(name)
+        return object.__getattribute__(self, name)
+
+
 # ---------------------------------------------------------------------------------------
 # Two hosts of two ranks: one launch, checked by the tests below.
 
 def _two_hosts(rank, world, store, hosts):
     os.environ["RINGREDUCE_HOST_ID"] = "ab"[rank // 2]
+    dist.ProcessGroupGloo = _CountingGloo  # this rank's process only (spawned)
     init(rank, world, store)
     pg = dist.group.WORLD
     out = {"pid": os.getpid(), "segments": _mapped_segments(), "layout": comm_of(pg).layout.hosts,
@@ -118,9 +141,12 @@ def _two_hosts(rank, world, store, hosts):
                                                        large)
     problems = out["problems"]
 
+    _CountingGloo.log.clear()
     before = inter_host_bytes(pg)
     dist.all_reduce(torch.ones(1 << 16))
     out["bytes"] = inter_host_bytes(pg) - before
+    out["crossed"] = list(_CountingGloo.log)
+    out["gloo_made"] = _CountingGloo.made
 
     m = 1031
     for dtype, op in ((torch.float64, "sum"), (torch.int32, "prod"), (torch.float32, "avg"),
@@ -197,10 +223,17 @@ def test_two_hosts_ddp_close_to_gloo(two_hosts):
 
 
 def test_inter_host_bytes_per_rank(two_hosts):
-    # 2 hosts of 2 ranks: each rank hands its shard, half the tensor, to the inter-host
-    # all-gather once: the model's 2*S*(H-1)/(H*L) = S/2.
-    for out in two_hosts:
-        assert out["bytes"] == 4 * (1 << 16) // 2
+    """2 hosts of 2 ranks, a float32 all-reduce of S = 256 KiB: each rank hands its shard, half
+    the tensor, to the inter-host engine once: the model's 2*S*(H-1)/(H*L) = S/2 (xhost.h's own
+    count: the inter-host groups are called from C++, where a Python subclass cannot count)."""
+    for rank, out in enumerate(two_hosts):
+        assert out["bytes"] == 4 * (1 << 16) // 2, (rank, out["bytes"])
+
+
+def test_inter_host_groups_are_called_from_cpp(two_hosts):
+    for rank, out in enumerate(two_hosts):
+        assert out["gloo_made"] >= 1, f"rank {rank} made no inter-host gloo group: nothing seen"
+        assert out["crossed"] == [], (rank, out["crossed"])
 
 
 def test_no_rank_maps_another_hosts_segment(two_hosts):
@@ -254,6 +287,88 @@ def test_uneven_hosts_3_and_1(tmp_path):
     for rank, (problems, _) in enumerate(out):
         assert not problems, f"rank {rank}:\n" + "\n".join(problems)
     assert len({d for _, d in out}) == 1
+
+
+# ---------------------------------------------------------------------------------------
+# RINGREDUCE_HIERARCHICAL=0: one flat ring over both hosts (they share /dev/shm here), and the
+# check that every rank agrees on the switch.
+
+FLAT_CASES = [(torch.float32, "sum", 4099), (torch.float32, "avg", 1000),
+              (torch.bfloat16, "sum", 33), (torch.float64, "max", 7), (torch.int8, "prod", 257)]
+FLAT_COUNTS = (0, 1, 5, 33, 1000, 4099, 1 << 16)
+
+
+def _ring_hop_bytes(count, esize, world, rank):
+    """Bytes rank's successor reads from it in one flat all_reduce, step by step as DESIGN.md
+    describes the ring: at reduce-scatter step s rank r + 1 receives chunk (r - s) mod N, at
+    all-gather step t chunk (r + 1 - t) mod N (reference.chunk_bounds for the chunks)."""
+    bounds = chunk_bounds(count, world, esize)
+
+    def size(c):
+        lo, hi = bounds[c % world]
+        return hi - lo
+
+    steps = [rank - s for s in range(world - 1)] + [rank + 1 - t for t in range(world - 1)]
+    return esize * sum(size(c) for c in steps)
+
+
+def _flat_hosts(rank, world, store):
+    os.environ.update(RINGREDUCE_HOST_ID="ab"[rank // 2], RINGREDUCE_HIERARCHICAL="0")
+    init(rank, world, store)
+    pg = dist.group.WORLD
+    executor = type(comm_of(pg)).__name__  # Comm: one ring; HierarchicalComm: per host
+    # The hosts RINGREDUCE_HOST_ID makes; the backend's own view of them shows in the hops whose
+    # bytes inter_host_bytes counts (checked by the test).
+    hosts = [[0, 1], [2, 3]]
+    problems, differs = [], 0
+    for case, (dtype, op, count) in enumerate(FLAT_CASES):
+        inputs = random_inputs(world, count, dtype, op, generator=seeded("flat", dtype, op, count))
+        t = inputs[rank].clone()
+        dist.all_reduce(t, op=_reduce_op(op))
+        if not torch.equal(t.view(torch.uint8), ring_model(inputs, op).view(torch.uint8)):
+            problems.append(f"{dtype} {op} n={count}: differs from the flat ring's model")
+        differs += not torch.equal(t.view(torch.uint8),
+                                   hierarchical_model(inputs, op, hosts).view(torch.uint8))
+    crossed = []
+    for count in FLAT_COUNTS:
+        before = inter_host_bytes(pg)
+        dist.all_reduce(torch.ones(count))
+        crossed.append(inter_host_bytes(pg) - before)
+    dist.destroy_process_group()
+    return executor, problems, differs, crossed
+
+
+def test_flat_ring_across_hosts_when_hierarchical_is_off(tmp_path):
+    """RINGREDUCE_HIERARCHICAL=0 on two hosts: every result is the flat 4-rank ring's, bit for
+    bit (and at least one differs from the hierarchical path's, so the switch changed the
+    path), and inter_host_bytes counts the bytes of the ring hops that cross a host boundary:
+    rank 1 -> 2 and rank 3 -> 0."""
+    world = 4
+    for rank, (executor, problems, differs, crossed) in enumerate(
+            values(run_ranks(_flat_hosts, world, tmp_path))):
+        assert executor == "Comm", executor
+        assert not problems, f"rank {rank}:\n" + "\n".join(problems)
+        assert differs, "no case tells the flat ring from the hierarchical path: add one"
+        crosses = rank in (1, 3)
+        want = [_ring_hop_bytes(c, 4, world, rank) if crosses else 0 for c in FLAT_COUNTS]
+        assert crossed == want, (rank, crossed, want)
+
+
+def _disagree(rank, world, store):
+    os.environ["RINGREDUCE_HOST_ID"] = "ab"[rank // 2]
+    if rank == 2:
+        os.environ["RINGREDUCE_HIERARCHICAL"] = "0"
+    try:
+        init(rank, world, store, timeout=20.0)
+        return "joined"
+    except Exception as exc:  # noqa: BLE001 - whatever torch wraps it in, the text is ours
+        return f"{type(exc).__name__}: {exc}"
+
+
+def test_ranks_that_disagree_on_hierarchical_all_fail(tmp_path):
+    for rank, msg in enumerate(values(run_ranks(_disagree, 4, tmp_path))):
+        assert "RINGREDUCE_HIERARCHICAL must be the same on every rank; it is 0 on rank(s) 2 " \
+               "only" in msg, f"rank {rank}: {msg}"
 
 
 # ---------------------------------------------------------------------------------------

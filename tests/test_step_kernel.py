@@ -9,8 +9,10 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from fake_cuda.build import CSRC, CXX, build
+from reference import valid_ops
 
 pytestmark = pytest.mark.skipif(CXX is None or not sys.platform.startswith("linux"),
                                 reason="needs a C++ compiler on Linux")
@@ -31,6 +33,8 @@ def test_step_body_matches_the_cpu_combine(driver, dtype):
     proc = subprocess.run([driver, dtype], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     found = re.findall(r"op=(\w+) cases=(\d+) mismatches=(\d+)", proc.stdout)
-    assert len(found) >= 5, proc.stdout
+    # Every op the dtype takes (reference.valid_ops: bitwise ones on integers and bool), once.
+    expected = sorted(valid_ops(getattr(torch, dtype)))
+    assert sorted(op for op, _, _ in found) == expected, (expected, proc.stdout)
     for op, cases, bad in found:
         assert int(cases) > 1000 and bad == "0", (op, proc.stdout)

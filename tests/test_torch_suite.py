@@ -4,7 +4,6 @@ TORCH_DISTRIBUTED_DEBUG=DETAIL, the timeout text torch's tests match; and the ru
 import importlib.util
 import os
 import re
-import subprocess
 import sys
 import time
 
@@ -12,7 +11,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from checks import communicate_bounded
+from checks import run_bounded
 from test_distributed import init, run_ranks, values
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -252,23 +251,19 @@ def test_any_source_receive_errors_name_recv_any_source(tmp_path):
 @needs_expecttest
 def test_runner_widens_the_gloo_gates():
     """The runner runs sparse all-reduce (gloo-only in torch) on ringreduce, and it passes."""
-    cmd = [sys.executable, os.path.join(ROOT, "scripts", "torch_suite.py"), "--backend",
-           "ringreduce", "--world-size", "2", "--test-timeout", "120",
-           "-k", "^test_sparse_all_reduce_sum$", "-k", "^test_monitored_barrier_gloo$"]
-    run = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
-    assert run.returncode == 0, run.stdout + run.stderr
-    assert re.search(r"^PASS +test_sparse_all_reduce_sum ", run.stdout, re.M), run.stdout
-    assert re.search(r"^EXCLUDED +test_monitored_barrier_gloo ", run.stdout, re.M), run.stdout
+    code, out = _runner("--backend", "ringreduce", "--world-size", "2", "--test-timeout", "120",
+                        "-k", "^test_sparse_all_reduce_sum$", "-k", "^test_monitored_barrier_gloo$",
+                        timeout=300)
+    assert code == 0, out
+    assert re.search(r"^PASS +test_sparse_all_reduce_sum ", out, re.M), out
+    assert re.search(r"^EXCLUDED +test_monitored_barrier_gloo ", out, re.M), out
 
 
 def _runner(*args, timeout):
     """Runs scripts/torch_suite.py with `args` (in its own session, killed by group past
     `timeout`); returns (exit status, output)."""
-    cmd = [sys.executable, os.path.join(ROOT, "scripts", "torch_suite.py"), *args]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)
-    out = communicate_bounded(proc, timeout)
-    return proc.returncode, out
+    return run_bounded([sys.executable, os.path.join(ROOT, "scripts", "torch_suite.py"), *args],
+                       timeout)
 
 
 @needs_expecttest

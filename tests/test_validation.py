@@ -4,6 +4,8 @@ import torch
 import torch.distributed as dist
 
 import ringreduce
+from checks import seeded
+from reference import BITWISE_OPS, random_inputs, ring_model
 
 
 def _ranks(n=3, count=8, dtype=torch.float32):
@@ -88,10 +90,17 @@ def test_unknown_op(op):
     _check_untouched(_ranks(), lambda ts: ringreduce.all_reduce(ts, op), ValueError, "op must be one of")
 
 
-def test_op_names_are_case_insensitive():
-    t = _ranks()
-    ringreduce.all_reduce(t, "SUM")
-    assert torch.equal(t[0], t[1])
+@pytest.mark.parametrize("spelling", ["SUM", "Sum", "MAX", "Min", "PROD", "AVG", "bAnD", "BXOR"])
+def test_op_names_are_case_insensitive(spelling):
+    """Each spelling reduces as its lower-case op: every rank holds the ring model's bits."""
+    op = spelling.lower()
+    dtype = torch.int32 if op in BITWISE_OPS else torch.float32
+    inputs = random_inputs(3, 33, dtype, op, generator=seeded("case", spelling))
+    tensors = [t.clone() for t in inputs]
+    ringreduce.all_reduce(tensors, spelling)
+    expected = ring_model(inputs, op)
+    for r, t in enumerate(tensors):
+        assert torch.equal(t, expected), f"op {spelling!r}: rank {r} differs from the {op} model"
 
 
 @pytest.mark.parametrize("dtype", [torch.complex64, torch.int16, torch.float8_e4m3fn])
@@ -115,11 +124,29 @@ def test_bitwise_op_on_floats(op, dtype):
                      "needs an integer or bool dtype; got")
 
 
-@pytest.mark.skipif(ringreduce.build_info()["cuda"] or not torch.cuda.is_available(),
-                    reason="needs CUDA tensors with a CPU-only ringreduce build")
-def test_cuda_tensors_on_cpu_build():
-    with pytest.raises(RuntimeError, match="no CUDA support"):
-        ringreduce.all_reduce([torch.ones(4, device="cuda"), torch.ones(4, device="cuda")])
+@pytest.mark.skipif(ringreduce.build_info()["cuda"],
+                    reason="this ringreduce build has CUDA support (the check is the CPU-only "
+                           "build's)")
+@pytest.mark.parametrize("fn", ["all_reduce", "reduce", "broadcast", "all_gather",
+                                "reduce_scatter"])
+def test_cuda_tensors_on_cpu_build(fn):
+    """A CPU-only build refuses CUDA tensors, naming the device and the reason. No GPU needed:
+    the tensors are torch's fake tensors on cuda:0 (FakeTensorMode: a device, no memory), and
+    with no elements nothing of theirs is read before the check."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        ins = [torch.empty(0, device="cuda") for _ in range(2)]
+        outs = [torch.empty(0, device="cuda") for _ in range(2)]
+    assert all(t.is_cuda for t in ins + outs), "FakeTensorMode made no CUDA tensors"
+    call = {"all_reduce": lambda: ringreduce.all_reduce(ins),
+            "reduce": lambda: ringreduce.reduce(ins),
+            "broadcast": lambda: ringreduce.broadcast(ins),
+            "all_gather": lambda: ringreduce.all_gather(ins, outs),
+            "reduce_scatter": lambda: ringreduce.reduce_scatter(ins, outs)}[fn]
+    with pytest.raises(RuntimeError, match=f"ringreduce.{fn}: tensors are on cuda:0 but this "
+                                           "ringreduce build has no CUDA support"):
+        call()
 
 
 def test_single_rank_is_noop():

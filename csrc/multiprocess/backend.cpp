@@ -106,14 +106,23 @@ class GilReleasedIfHeld {
 // synchronise on the host, so they refuse (and fail the group, whose peers are mid-call).
 class RingReduceBackend final : public c10d::Backend {
  public:
+  // `global_ranks`: the members' global ranks (empty: 0 .. size-1), for the flight recorder.
   RingReduceBackend(std::shared_ptr<Transport> transport, int rank, int size, double timeout_s,
-                    bool async, c10::intrusive_ptr<c10d::Store> store)
-      : c10d::Backend(rank, size), async_(async), store_(std::move(store)) {
+                    bool async, c10::intrusive_ptr<c10d::Store> store,
+                    std::vector<uint64_t> global_ranks = {})
+      : c10d::Backend(rank, size), async_(async), store_(std::move(store)),
+        global_ranks_(std::move(global_ranks)) {
+    if (global_ranks_.empty()) {
+      for (int r = 0; r < size; ++r) global_ranks_.push_back(uint64_t(r));
+    }
+    TORCH_CHECK_VALUE(int(global_ranks_.size()) == size, "ringreduce: ", global_ranks_.size(),
+                      " global ranks given for a group of ", size);
     g_ = std::make_shared<Group>();
     g_->transport = std::move(transport);
     g_->rank = rank;
     g_->size = size;
     g_->timeout_s.store(timeout_s);
+    start_recording();
     engine_ = std::make_shared<Engine>(g_);
     engine_->start();
     const std::lock_guard<std::mutex> held(g_live_mu);
@@ -224,6 +233,7 @@ class RingReduceBackend final : public c10d::Backend {
     }
     if (p2p) p2p->stop(deadline);
     for (auto& w : waiters) w.thread.join();  // each is bounded by gloo's timeout
+    if (g_->fr) g_->fr->stop();  // its monitor reads the peers' headers: before they unmap
     try {
       g_->transport->close();
     } catch (const std::exception&) {
@@ -945,8 +955,9 @@ class RingReduceBackend final : public c10d::Backend {
 #ifdef RINGREDUCE_WITH_CUDA
     if (device && device->is_cuda()) refuse_capture(name, device->index());
 #endif
-    seq_collective_.fetch_add(1);
+    const uint64_t seq = seq_collective_.fetch_add(1) + 1;
     auto work = c10::make_intrusive<RRWork>(g_, name, type, outputs, device, inputs);
+    if (g_->fr) work->set_trace(g_->fr->collective(*this, name, seq, inputs, outputs, timeout()));
     batch_.note(work);
     auto job = std::make_shared<Job>();
     job->work = work;
@@ -956,6 +967,7 @@ class RingReduceBackend final : public c10d::Backend {
       // RINGREDUCE_ASYNC=0: inline in the caller's thread (on CUDA on the caller's stream).
       try {
         c10::InferenceMode no_autograd;
+        if (work->trace().on) g_->fr->started(work->trace());
         job->run();
       } catch (...) {
         const std::exception_ptr error = std::current_exception();
@@ -1029,6 +1041,7 @@ class RingReduceBackend final : public c10d::Backend {
     auto work = c10::make_intrusive<RRWork>(g_, name, is_send ? OpType::SEND : OpType::RECV,
                                             std::vector<at::Tensor>{t}, device,
                                             std::vector<at::Tensor>{t});
+    trace_p2p(*work, is_send, any_source ? -1 : peer, t);
     batch_.note(work);
     auto job = std::make_shared<P2PJob>();
     job->work = work;
@@ -1087,12 +1100,14 @@ class RingReduceBackend final : public c10d::Backend {
     auto work = c10::make_intrusive<RRWork>(g_, name, is_send ? OpType::SEND : OpType::RECV,
                                             std::vector<at::Tensor>{t}, device,
                                             std::vector<at::Tensor>{t});
+    trace_p2p(*work, is_send, peer == kAnySource ? -1 : peer, t);
     std::shared_ptr<XhostTransport> xt = std::dynamic_pointer_cast<XhostTransport>(g_->transport);
     TORCH_INTERNAL_ASSERT(xt, "ringreduce ", name, ": a transport that is neither one host's "
                           "nor several hosts'");
     c10::intrusive_ptr<c10d::Work> posted;
     try {
       posted = xt->p2p_start(is_send, host, peer, tag);
+      if (work->trace().on) g_->fr->started(work->trace());
     } catch (const std::exception&) {
       work->finish(std::make_exception_ptr(
           std::runtime_error(named_error(name, error_text(std::current_exception())))));
@@ -1148,6 +1163,39 @@ class RingReduceBackend final : public c10d::Backend {
     return work;
   }
 
+  // ---- the flight recorder (flight_recorder.h) ------------------------------------------------
+
+  // Records this group's operations in torch's flight recorder where TORCH_FR_BUFFER_SIZE asks
+  // for it (decided once per process); says once why not where it cannot.
+  void start_recording() {
+    const FrSettings& fr = fr_settings();
+    if (fr.fr == nullptr) {
+      if (!fr.why_off.empty()) {
+        TORCH_WARN_ONCE("ringreduce: TORCH_FR_BUFFER_SIZE is set, but ringreduce's operations "
+                        "are not recorded in torch's flight recorder: ", fr.why_off);
+      }
+      return;
+    }
+    std::shared_ptr<Transport> tr = g_->transport;
+    std::function<bool(int&, std::string&)> aborted_peer;
+    if (tr->native() != nullptr) {
+      aborted_peer = [tr](int& peer, std::string& message) {
+        return tr->native()->aborted_peer(peer, message);
+      };
+    }
+    g_->fr = std::make_shared<GroupRecorder>(fr, global_ranks_, rank_, std::move(aborted_peer));
+  }
+
+  std::chrono::milliseconds timeout() const {
+    return std::chrono::milliseconds(int64_t(g_->timeout_s.load() * 1000.0));
+  }
+
+  // A send or receive's entry (`peer` < 0: from any source).
+  void trace_p2p(RRWork& work, bool is_send, int peer, const at::Tensor& t) {
+    if (!g_->fr) return;
+    work.set_trace(g_->fr->p2p(*this, is_send, peer, t, seq_collective_.load(), timeout()));
+  }
+
   double timeout_of(const c10::intrusive_ptr<Options>& opts) const {
     return opts ? opts->timeout.count() / 1000.0 : g_->timeout_s.load();
   }
@@ -1157,7 +1205,8 @@ class RingReduceBackend final : public c10d::Backend {
   c10::intrusive_ptr<c10d::Backend> derive(const char* fn, const A&... args) {
     py::gil_scoped_acquire gil;
     py::object made = py::module_::import("ringreduce.distributed").attr(fn)(
-        args..., py::arg("rank") = rank_, py::arg("size") = size_);
+        args..., py::arg("rank") = rank_, py::arg("size") = size_,
+        py::arg("global_ranks") = global_ranks_);
     if (made.is_none()) return nullptr;
     return made.cast<c10::intrusive_ptr<RingReduceBackend>>();
   }
@@ -1177,6 +1226,7 @@ class RingReduceBackend final : public c10d::Backend {
   std::mutex shut_mu_;
   bool shut_ = false;
   std::atomic<uint64_t> seq_collective_{0};  // collectives issued (sequence numbers)
+  std::vector<uint64_t> global_ranks_;       // the members' global ranks
   CoalescingBatch batch_;
 };
 
@@ -1197,7 +1247,8 @@ void bind_backend(py::module& m) {
   py::class_<RingReduceBackend, c10d::Backend, c10::intrusive_ptr<RingReduceBackend>>(
       m, "Backend", "One rank of a ringreduce process group (torch.distributed backend).")
       .def(py::init([](py::object comm, int rank, int size, double timeout_s, bool async,
-                       py::object store, std::vector<int> hosts) {
+                       py::object store, std::vector<uint64_t> global_ranks,
+                       std::vector<int> hosts) {
              std::shared_ptr<Transport> t;
              if (py::isinstance<XhostTransport>(comm)) {
                t = comm.cast<std::shared_ptr<XhostTransport>>();
@@ -1208,10 +1259,12 @@ void bind_backend(py::module& m) {
              c10::intrusive_ptr<c10d::Store> st;
              if (!store.is_none()) st = store.cast<c10::intrusive_ptr<c10d::Store>>();
              return c10::make_intrusive<RingReduceBackend>(t, rank, size, timeout_s, async,
-                                                           std::move(st));
+                                                           std::move(st),
+                                                           std::move(global_ranks));
            }),
            py::arg("comm"), py::arg("rank"), py::arg("size"), py::arg("timeout"),
            py::arg("async_engine") = true, py::arg("store") = py::none(),
+           py::arg("global_ranks") = std::vector<uint64_t>{},
            py::arg("hosts") = std::vector<int>{},
            "comm: a Comm (one host; with `hosts`, every rank's host, when its ring spans hosts "
            "that share memory) or a HierarchicalComm (several hosts).")

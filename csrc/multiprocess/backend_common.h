@@ -80,9 +80,11 @@ inline std::string torch_dtype_name(at::ScalarType t) {
 // headers). Every call is checked.
 class Event {
  public:
-  explicit Event(c10::DeviceIndex device) : device_(device) {
+  // `timed`: it keeps a timestamp (elapsed_ms), which costs a little on every record.
+  explicit Event(c10::DeviceIndex device, bool timed = false) : device_(device) {
     c10::cuda::CUDAGuard guard(device_);
-    C10_CUDA_CHECK(cudaEventCreateWithFlags(&e_, cudaEventDisableTiming));
+    C10_CUDA_CHECK(
+        cudaEventCreateWithFlags(&e_, timed ? cudaEventDefault : cudaEventDisableTiming));
   }
   // Every call runs with the event's device current: on a thread that never set a device (the
   // watchdog, a completion thread) a CUDA call would otherwise create a context on GPU 0.
@@ -119,6 +121,13 @@ class Event {
     return true;
   }
   c10::DeviceIndex device() const { return device_; }
+  // Milliseconds from this event to `end`, both timed and completed.
+  float elapsed_ms(const Event& end) const {
+    c10::cuda::CUDAGuard guard(device_);
+    float ms = 0;
+    C10_CUDA_CHECK(cudaEventElapsedTime(&ms, e_, end.e_));
+    return ms;
+  }
 
  private:
   c10::DeviceIndex device_;

@@ -145,6 +145,9 @@ class __attribute__((visibility("hidden"))) Comm {
   // Marks the group failed with `message` (an error outside the executors, e.g. in the
   // progress thread): peers waiting on this rank fail at once, naming it. Lock-free, like abort.
   void fail(const std::string& message) { g_.fail(message); }
+  // Whether a peer's group has failed (HostGroup::aborted_peer); lock-free, like fail: any
+  // thread, any time, while a collective runs.
+  bool aborted_peer(int& peer, std::string& message) { return g_.aborted_peer(peer, message); }
 
   // The argument checks of a collective, without running it: the backend calls this in the
   // caller's thread, so that a bad argument raises there (before anything is queued or

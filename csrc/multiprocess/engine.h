@@ -22,6 +22,7 @@
 
 #include "backend_common.h"
 #include "completer.h"
+#include "flight_recorder.h"
 #include "transport.h"
 
 namespace rr {
@@ -41,11 +42,15 @@ struct Group {
   std::string failure;  // the first error; the group cannot be used after it
   std::atomic<bool> failed{false};
   Completer completer;
+  // Its entries in torch's flight recorder (flight_recorder.h); null when recording is off.
+  std::shared_ptr<GroupRecorder> fr;
 
   void fail(const std::string& msg) {
+    bool first = false;
     {
       const std::lock_guard<std::mutex> held(mu);
-      if (failure.empty()) failure = msg;
+      first = failure.empty();
+      if (first) failure = msg;
     }
     failed.store(true, std::memory_order_release);
     try {
@@ -53,6 +58,8 @@ struct Group {
     } catch (const std::exception&) {
       // The transport may already be closed; the failure is recorded above.
     }
+    // After the peers were told (they dump too): the recorder as the failure left it.
+    if (first && fr) fr->group_failed(msg);
   }
   std::string failure_text() {
     const std::lock_guard<std::mutex> held(mu);
@@ -78,6 +85,12 @@ class RRWork final : public c10d::Work {
   }
 
   const std::string& name() const { return name_; }
+
+  // Its flight recorder entry (Group::fr), set at issue.
+  void set_trace(const FrTrace& t) { trace_ = t; }
+  const FrTrace& trace() const { return trace_; }
+  // Its GPU work is queued: the engine's watchdog reports the entry's completion, not finish().
+  void trace_on_gpu() { trace_on_gpu_ = true; }
 
   bool isCompleted() override { return state_.load(std::memory_order_acquire) != kPending; }
   bool isSuccess() const override { return state_.load(std::memory_order_acquire) == kDone; }
@@ -167,6 +180,8 @@ class RRWork final : public c10d::Work {
   c10::intrusive_ptr<c10::ivalue::Future> future_;
   std::weak_ptr<Engine> engine_;  // while queued: wait() may run the job itself
   const void* job_ = nullptr;
+  FrTrace trace_;
+  bool trace_on_gpu_ = false;
 #ifdef RINGREDUCE_WITH_CUDA
   std::shared_ptr<Event> end_;
   c10::optional<c10::cuda::CUDAStream> stream_;
@@ -174,6 +189,7 @@ class RRWork final : public c10d::Work {
 };
 
 inline void RRWork::finish(std::exception_ptr error) {
+  if (trace_.on && (error || !trace_on_gpu_)) group_->fr->finished(trace_, !error);
   c10::intrusive_ptr<c10::ivalue::Future> fut;
   if (recordFunctionEndCallback_) {
     recordFunctionEndCallback_();
@@ -392,6 +408,7 @@ class Engine : public std::enable_shared_from_this<Engine> {
       // inference tensors and tensors that require grad alike.
       c10::InferenceMode no_autograd;
       if (!job.cuda) {
+        if (work.trace().on) g_->fr->started(work.trace());
         job.run();
         work.finish(nullptr);
         return;
@@ -402,14 +419,23 @@ class Engine : public std::enable_shared_from_this<Engine> {
       job.ready->block(*job.stream);
       if (job.drain_gpu) drain_gpu();
       gpu_queued = true;
+      // Recorded collectives: start and end events for the recorder's states (and durations
+      // under TORCH_NCCL_ENABLE_TIMING), reported when the watchdog sees them complete.
+      const bool timed = work.trace().on && g_->fr->timing();
+      std::shared_ptr<Event> start;
+      if (work.trace().on) {
+        start = std::make_shared<Event>(job.stream->device_index(), timed);
+        start->record(*job.stream);
+      }
       job.run();
-      auto end = std::make_shared<Event>(job.stream->device_index());
+      auto end = std::make_shared<Event>(job.stream->device_index(), timed);
       end->record(*job.stream);
       work.set_cuda(end, *job.stream);
+      if (work.trace().on) work.trace_on_gpu();
       {
         const std::lock_guard<std::mutex> held(inflight_mu_);
         inflight_.push_back(
-            Inflight{job.work, end, Clock::now() + timeout(), std::move(job.run)});
+            Inflight{job.work, end, Clock::now() + timeout(), std::move(job.run), start});
       }
       watch_cv_.notify_all();
       work.finish(nullptr);
@@ -444,16 +470,42 @@ class Engine : public std::enable_shared_from_this<Engine> {
     // completed, so the caching allocator never hands those blocks out while the internal
     // stream uses them, whichever stream allocated them.
     std::function<void()> captures;
+    std::shared_ptr<Event> start;  // recorded collectives: the flight recorder's start event
   };
+
+  // The flight recorder's view of a collective in flight: started once its start event has
+  // completed; completed (with its duration when timed) once `done` is true.
+  void report_gpu(const Inflight& f, bool done) {
+    if (!f.work || !f.work->trace().on || !f.start) return;
+    if (done) {
+      // Completed and retired whether or not the duration can be read.
+      std::optional<float> ms;
+      try {
+        if (g_->fr->timing()) ms = f.start->elapsed_ms(*f.end);
+      } catch (const std::exception&) {
+        ms.reset();
+      }
+      g_->fr->finished(f.work->trace(), true, ms);
+      return;
+    }
+    try {
+      if (f.start->query()) g_->fr->started(f.work->trace());
+    } catch (const std::exception&) {
+      // A CUDA error: the watchdog reports it through the end event.
+    }
+  }
 
   // Pops the front entry if it is still `end`'s; released by the caller outside the lock.
   Inflight pop_done(const std::shared_ptr<Event>& end) {
-    const std::lock_guard<std::mutex> held(inflight_mu_);
     Inflight done;
-    if (!inflight_.empty() && inflight_.front().end == end) {
-      done = std::move(inflight_.front());
-      inflight_.pop_front();
+    {
+      const std::lock_guard<std::mutex> held(inflight_mu_);
+      if (!inflight_.empty() && inflight_.front().end == end) {
+        done = std::move(inflight_.front());
+        inflight_.pop_front();
+      }
     }
+    report_gpu(done, /*done=*/true);
     return done;
   }
 
@@ -461,7 +513,10 @@ class Engine : public std::enable_shared_from_this<Engine> {
   // will; either way its memory must not be handed out again, so it is kept (settle_inflight:
   // until the process exits). Called with inflight_mu_ held.
   void abandon_inflight() {
-    for (Inflight& f : inflight_) abandoned_.push_back(std::move(f.captures));
+    for (Inflight& f : inflight_) {
+      if (f.work && f.work->trace().on) g_->fr->finished(f.work->trace(), false);
+      abandoned_.push_back(std::move(f.captures));
+    }
     inflight_.clear();
   }
 
@@ -485,10 +540,12 @@ class Engine : public std::enable_shared_from_this<Engine> {
       } catch (const std::exception&) {
         done = false;  // a CUDA error: the work's state is unknown
       }
+      report_gpu(f, done);
       if (done) {
         const c10::cuda::CUDAGuard on_device(f.end->device());
         f.captures = nullptr;
       } else {
+        if (f.work && f.work->trace().on) g_->fr->finished(f.work->trace(), false);
         abandoned.push_back(std::move(f.captures));
       }
     }
@@ -522,6 +579,7 @@ class Engine : public std::enable_shared_from_this<Engine> {
       f.work = inflight_.front().work;
       f.end = inflight_.front().end;
       f.deadline = inflight_.front().deadline;
+      f.start = inflight_.front().start;
     }
     return f;
   }
@@ -569,6 +627,9 @@ class Engine : public std::enable_shared_from_this<Engine> {
         gpu_timeout(first.work->name());
         lock.lock();
       } else {
+        lock.unlock();
+        report_gpu(first, /*done=*/false);
+        lock.lock();
         watch_cv_.wait_for(lock, std::chrono::milliseconds(50));
       }
     }

@@ -602,6 +602,21 @@ void HostGroup::fail(const std::string& msg) {
   futex_wake_all(&own->p2p_bell);
 }
 
+bool HostGroup::aborted_peer(int& peer, std::string& message) {
+  std::lock_guard<std::mutex> lock(state_mu_);
+  if (closed_) return false;
+  for (int r = 0; r < nranks_ && size_t(r) < headers_.size(); ++r) {
+    const Header* h = headers_[size_t(r)];
+    if (r == rank_ || h == nullptr || h->state.load(std::memory_order_acquire) != kAborted) {
+      continue;
+    }
+    peer = r;
+    message.assign(h->message, strnlen(h->message, sizeof(h->message)));
+    return true;
+  }
+  return false;
+}
+
 bool HostGroup::peer_gone(int peer) const {
   return headers_[size_t(peer)]->state.load(std::memory_order_acquire) != kLive ||
          peer_dead(peer);

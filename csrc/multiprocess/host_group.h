@@ -245,6 +245,9 @@ class HostGroup {
   bool release_cuda_and_wait(std::chrono::steady_clock::time_point deadline) const;
   // True when rank `peer` has exited, or its group is no longer live (aborted or closed).
   bool peer_gone(int peer) const;
+  // The lowest peer whose group failed (its header aborted), with its message; false when none
+  // has or this group is closed. Safe from any thread at any time, like fail().
+  bool aborted_peer(int& peer, std::string& message);
 
  private:
   enum class Problem { Timeout, Exited, Aborted, Closed };

@@ -206,6 +206,7 @@ class P2PEngine {
       comm_->p2p_post(id, job->send, job->host, job->peer, job->tag,
                       torch_dtype_name(t.scalar_type()));
       jobs_.emplace(id, job);
+      if (job->work->trace().on) g_->fr->started(job->work->trace());
     } catch (...) {
       fail(*job, std::current_exception());
     }

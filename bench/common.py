@@ -254,6 +254,64 @@ def cuda_info(devices: Sequence[int]) -> dict:
     return {"driver": nvidia_driver_version(), "cuda_runtime": torch.version.cuda, "gpus": gpus}
 
 
+def report_rank(queue, rank: int, body: Callable[[], object]) -> None:
+    """A spawned rank's last act: puts (rank, "ok", body()) or (rank, "error", its traceback) on
+    `queue`, flushes it and leaves without interpreter teardown (destroying a gloo group with
+    the GIL held can deadlock with gloo's worker threads, seen with torch 2.13)."""
+    import traceback
+    try:
+        queue.put((rank, "ok", body()))
+    except BaseException:
+        queue.put((rank, "error", traceback.format_exc()))
+    queue.close()
+    queue.join_thread()
+    os._exit(0)
+
+
+def checked_buffers(size: int, rank: int, world: int, groups: dict,
+                    before: Callable[[], object] = lambda: None, unchecked=()) -> tuple:
+    """For every group in `groups` (name -> torch.distributed group): this rank's float32
+    buffer of `size` bytes (rank+1 times the pattern 1..7: integer-valued, so sums are exact),
+    after one all_reduce on that group (`before()` runs before each), and how many elements of
+    the result differ from the exact sum (None for the names in `unchecked`, groups that move
+    no bytes). Returns (buffers, wrong)."""
+    import torch
+    import torch.distributed as dist
+    count = max(1, size // 4)
+    pattern = (torch.arange(count, dtype=torch.int64) % 7 + 1).to(torch.float32)
+    expect = pattern * (world * (world + 1) // 2)
+    bufs, wrong = {}, {}
+    for name, group in groups.items():
+        bufs[name] = pattern * (rank + 1)
+        before()
+        dist.all_reduce(bufs[name], group=group)
+        wrong[name] = None if name in unchecked else int((bufs[name] != expect).sum())
+    return bufs, wrong
+
+
+def collect_ranks(procs, queue) -> dict:
+    """Starts the rank processes `procs`, each of which puts (rank, status, value) on `queue`
+    once, and returns {rank: (status, value)} for those that reported; stops waiting once every
+    process has exited, joins them (30 s each) and kills any left."""
+    for p in procs:
+        p.start()
+    results = {}
+    try:
+        while len(results) < len(procs):
+            try:
+                rank, status, value = queue.get(timeout=5)
+                results[rank] = (status, value)
+            except Exception:  # noqa: BLE001 - queue.Empty, or the queue broke with a rank
+                if all(p.exitcode is not None for p in procs):
+                    break
+    finally:
+        for p in procs:
+            p.join(timeout=30)
+            if p.is_alive():
+                p.kill()
+    return results
+
+
 # ---------------------------------------------------------------------------------------------
 # Output.
 

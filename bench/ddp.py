@@ -84,7 +84,6 @@ import struct
 import sys
 import tempfile
 import time
-import traceback
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import common  # noqa: E402
@@ -212,9 +211,9 @@ class _InterHostBytes:
         self.rank = dist.get_rank()
 
     def _counted(self):
-        from ringreduce import hierarchy
+        from ringreduce.distributed import inter_host_bytes
         pg = self.dist.group.WORLD
-        return hierarchy.inter_host_bytes(pg) if self.dist.get_backend(pg) == "ringreduce" else None
+        return inter_host_bytes(pg) if self.dist.get_backend(pg) == "ringreduce" else None
 
     def start(self):
         ports = [None] * self.world
@@ -251,15 +250,7 @@ def _rank_main(rank, world, label, store, args, queue, extra_env):
     if label == "deepspeed":
         # DeepSpeed prints its logging and op build to stdout: keep the table readable.
         os.dup2(2, 1)
-    try:
-        queue.put((rank, "ok", _rank_body(rank, world, label, store, args)))
-    except BaseException:
-        queue.put((rank, "error", traceback.format_exc()))
-    # Skip interpreter teardown: destroying a gloo group with the GIL held can deadlock with
-    # gloo's worker threads (seen with torch 2.13).
-    queue.close()
-    queue.join_thread()
-    os._exit(0)
+    common.report_rank(queue, rank, lambda: _rank_body(rank, world, label, store, args))
 
 
 def _deepspeed_init(rank, world, store, args):
@@ -521,22 +512,9 @@ def run_backend(label, args):
         procs = [ctx.Process(target=_rank_main,
                              args=(r, args.ranks, label, store, args, queue, extra_env))
                  for r in range(args.ranks)]
-        for p in procs:
-            p.start()
-        results = {}
         try:
-            while len(results) < args.ranks:
-                try:
-                    rank, status, value = queue.get(timeout=5)
-                    results[rank] = (status, value)
-                except Exception:
-                    if all(p.exitcode is not None for p in procs):
-                        break
+            results = common.collect_ranks(procs, queue)
         finally:
-            for p in procs:
-                p.join(timeout=30)
-                if p.is_alive():
-                    p.kill()
             for path in leftovers:
                 if os.path.exists(path):
                     os.unlink(path)

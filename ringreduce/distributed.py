@@ -20,8 +20,8 @@ segment and each rank unlinks its own as soon as all have mapped it (nothing sta
 CUDA tensors are copied through a persistent device staging area per rank, shared once through
 CUDA IPC, and synchronised with IPC events ordered by a host-side handshake (see
 csrc/multiprocess/cuda_collectives.h); several ranks may share one GPU.
-Ranks on several hosts: this ring runs inside each host and torch's gloo/NCCL between hosts
-(ringreduce/hierarchy.py).
+Ranks on several hosts: this ring runs inside each host and torch's gloo/NCCL between hosts,
+composed in C++ (csrc/multiprocess/xhost.h; ringreduce/hierarchy.py finds the hosts).
 
 Every wait on another rank is bounded by the group's ``timeout``: a rank that died, failed or
 never joined makes the others raise a ``RuntimeError`` naming the collective, the peer and the
@@ -46,10 +46,10 @@ group, started by the rank's first such call (csrc/multiprocess/p2p.h): per-pair
 shared segments, messages matched per (sender, tag) in send order, sends complete once their
 bytes are in the ring, and no operation waits behind a collective or another operation.
 gather, scatter, all-to-all and point-to-point stage CUDA tensors through host memory.
-On a group that spans several hosts, the same C++ engine runs the collectives of
-ringreduce/hierarchy.py (which compose this ring with gloo/NCCL between hosts, in Python);
-gather, scatter and all-to-all run on the whole group's gloo, and point-to-point on its
-send/recv.
+On a group that spans several hosts, the same C++ engine runs the hierarchical schedule
+(csrc/multiprocess/xhost.h: this ring inside each host, torch's gloo/NCCL between hosts, called
+from C++); gather, scatter and all-to-all run on the whole group's gloo, and point-to-point on
+its send/recv.
 
 ``destroy_process_group`` and ``abort()`` end the group's threads within bounded time, and so
 does the interpreter's exit for groups the program never destroyed (an atexit hook).
@@ -67,6 +67,7 @@ import datetime
 import os
 import secrets
 import sys
+import time
 
 import torch
 import torch.distributed as dist
@@ -84,7 +85,8 @@ SUPPORTED_COLLECTIVES = (
     "recv_anysource", "batch_isend_irecv",
 )
 
-__all__ = ["register_backend", "backend_of", "comm_of", "BACKEND_NAME", "SUPPORTED_COLLECTIVES"]
+__all__ = ["register_backend", "backend_of", "comm_of", "inter_host_bytes", "BACKEND_NAME",
+           "SUPPORTED_COLLECTIVES"]
 
 # Seconds a group left alive at interpreter exit gives its queued work before its threads end.
 EXIT_GRACE_S = 2.0
@@ -152,9 +154,16 @@ def backend_of(group=None):
 
 
 def comm_of(group=None):
-    """The executor behind `group`'s ringreduce backend: a ``_dist_C.Comm`` on one host, a
-    ``hierarchy.HierarchicalComm`` (or ``FlatHostsComm``) across hosts."""
+    """The executor behind `group`'s ringreduce backend: a ``_dist_C.Comm`` on one host (or one
+    ring over hosts that share memory, RINGREDUCE_HIERARCHICAL=0), a
+    ``_dist_C.HierarchicalComm`` across hosts."""
     return backend_of(group).comm
+
+
+def inter_host_bytes(group=None):
+    """Bytes this rank has handed to the inter-host engines (several hosts), or sent over ring
+    hops that cross a host boundary (RINGREDUCE_HIERARCHICAL=0); None on one host."""
+    return backend_of(group).inter_host_bytes
 
 
 def _shm_bytes():
@@ -197,12 +206,17 @@ def _backend_options(backend):
     return _Options(BACKEND_NAME, backend.timeout)
 
 
-def _extend(backend_class):
-    """What torch reads off a backend in Python besides the C++ interface: ``options``
-    (dist.split_group copies it for the child group). Idempotent."""
-    if not isinstance(getattr(backend_class, "options", None), property):
-        backend_class.options = property(_backend_options, doc=(
+def _extend(ext):
+    """What Python reads off the extension's classes besides their C++ interface: a backend's
+    ``options`` (torch: dist.split_group copies it for the child group) and a HierarchicalComm's
+    ``layout`` (tests, benchmarks). Idempotent."""
+    if not isinstance(getattr(ext.Backend, "options", None), property):
+        ext.Backend.options = property(_backend_options, doc=(
             "The group's torch Backend.Options (backend name and timeout)."))
+    if not isinstance(getattr(ext.HierarchicalComm, "layout", None), property):
+        ext.HierarchicalComm.layout = property(
+            lambda comm: hierarchy.Layout(comm.rank_labels, comm.rank, True),
+            doc="Which host every rank of the group is on (hierarchy.Layout).")
 
 
 def _create_backend_from_options(opts, backend_options=None):
@@ -217,7 +231,7 @@ def _create_backend(store, rank, world_size, timeout, global_ranks=None):
     `global_ranks`: the members' global ranks (None or empty: 0 .. world_size - 1)."""
     from . import _dist_C
 
-    _extend(_dist_C.Backend)
+    _extend(_dist_C)
 
     timeout_s = _seconds(timeout)
     # The store may outlive this group (a re-created group reuses it): number the
@@ -225,38 +239,61 @@ def _create_backend(store, rank, world_size, timeout, global_ranks=None):
     incarnation = (store.add("ringreduce/joined", 1) - 1) // world_size
     prefix = f"ringreduce/{incarnation}"
     # Which host every rank is on (ringreduce/hierarchy.py). Across hosts the executor is a
-    # HierarchicalComm: the same interface, composed of a Comm over this host's ranks and
-    # torch's gloo/NCCL between hosts.
+    # HierarchicalComm (C++, csrc/multiprocess/xhost.h): a Comm over this host's ranks composed
+    # with torch's gloo/NCCL between hosts.
     layout = hierarchy.discover(store, prefix, rank, world_size, timeout_s)
     ring = max(map(len, layout.hosts)) if layout.hierarchical else world_size
     if ring > _dist_C.max_ranks:
         raise ValueError(f"ringreduce: at most {_dist_C.max_ranks} ranks are supported "
                          f"{'per host' if layout.hierarchical else 'on one host'}; got "
                          f"{ring} (world_size={world_size})")
+    hosts = []
     if layout.hierarchical:
-        comm = hierarchy.HierarchicalComm(store, prefix, layout, _shm_bytes(), timeout_s,
-                                          _cuda_buffer_bytes())
-    else:
-        tag = f"{os.getpid()}-{secrets.token_hex(4)}"
-        comm = _dist_C.Comm(rank, world_size, _shm_bytes(), timeout_s, tag, _cuda_buffer_bytes())
+        h = layout.host
+        local = _join_comm(store, f"{prefix}/host{h}", layout.local_rank, layout.local_size,
+                           f"-h{h}", timeout_s,
+                           lambda missing: layout.describe_ranks(
+                               [layout.local_ranks[q] for q in missing]), rank)
         try:
-            deadline = datetime.datetime.now() + datetime.timedelta(seconds=timeout_s)
-            store.set(f"{prefix}/name/{rank}", comm.name)
-            names = _gather_keys(store, f"{prefix}/name", deadline, "join", rank, world_size,
-                                 timeout_s)
-            comm.attach([n.decode() for n in names])
-            store.set(f"{prefix}/mapped/{rank}", "1")
-            _gather_keys(store, f"{prefix}/mapped", deadline, "map the shared memory", rank,
-                         world_size, timeout_s)
+            comm = _dist_C.HierarchicalComm(
+                local, layout.hosts, layout.labels, rank, store, f"{prefix}/xhost", timeout_s,
+                hierarchy.group_factory(store, f"{prefix}/xhost", layout, timeout_s))
         except BaseException:
-            comm.close()
+            local.close()
             raise
-        comm.unlink()
+    else:
+        comm = _join_comm(store, prefix, rank, world_size, "", timeout_s,
+                          lambda missing: f"rank(s) {', '.join(map(str, missing))}", rank)
         if layout.nhosts > 1:
-            comm = hierarchy.FlatHostsComm(comm, layout)
+            hosts = layout.host_of  # one ring over hosts sharing memory: count what crosses
     return _dist_C.Backend(comm, rank, world_size, timeout_s,
                            async_engine=_env.flag("RINGREDUCE_ASYNC"), store=store,
-                           global_ranks=list(global_ranks or range(world_size)))
+                           global_ranks=list(global_ranks or range(world_size)), hosts=hosts)
+
+
+def _join_comm(store, prefix, rank, size, suffix, timeout_s, name_missing, group_rank):
+    """The Comm of rank `rank` of `size` ranks sharing memory: each creates its segment, the
+    names go through the store under `prefix`, every rank maps every peer's segment, then each
+    unlinks its own (nothing stays in /dev/shm). `suffix` ends the segment names' tag;
+    name_missing(indices) names the ranks that did not come, in errors."""
+    from . import _dist_C
+
+    tag = f"{os.getpid()}-{secrets.token_hex(4)}{suffix}"
+    comm = _dist_C.Comm(rank, size, _shm_bytes(), timeout_s, tag, _cuda_buffer_bytes())
+    try:
+        deadline = time.monotonic() + timeout_s
+        store.set(f"{prefix}/name/{rank}", comm.name)
+        names = _gather_keys(store, f"{prefix}/name", deadline, "join", size, timeout_s,
+                             name_missing, group_rank)
+        comm.attach([n.decode() for n in names])
+        store.set(f"{prefix}/mapped/{rank}", "1")
+        _gather_keys(store, f"{prefix}/mapped", deadline, "map the shared memory", size,
+                     timeout_s, name_missing, group_rank)
+    except BaseException:
+        comm.close()
+        raise
+    comm.unlink()
+    return comm
 
 
 def _split_backend(store, ranks, timeout_s, rank, size, global_ranks=None):
@@ -285,16 +322,11 @@ def _members_global(members, parent_global):
     return [parent_global[m] for m in members] if parent_global else list(members)
 
 
-def _gather_keys(store, prefix, deadline, what, rank, world_size, timeout_s):
-    keys = [f"{prefix}/{r}" for r in range(world_size)]
-    left = (deadline - datetime.datetime.now()).total_seconds()
-    try:
-        store.wait(keys, datetime.timedelta(seconds=max(left, 0.001)))
-    except Exception as exc:
-        missing = [r for r, k in enumerate(keys) if not store.check([k])]
-        if not missing:
-            raise
+def _gather_keys(store, prefix, deadline, what, size, timeout_s, name_missing, rank):
+    keys = [f"{prefix}/{r}" for r in range(size)]
+    missing = hierarchy.wait_keys(store, keys, deadline)
+    if missing:
         raise RuntimeError(
-            f"ringreduce: rank {rank}: rank(s) {', '.join(map(str, missing))} did not "
-            f"{what} within the process group timeout ({timeout_s:.1f} s)") from exc
+            f"ringreduce: rank {rank}: {name_missing(missing)} did not {what} within the process "
+            f"group timeout ({timeout_s:.1f} s)")
     return [store.get(k) for k in keys]

@@ -32,6 +32,7 @@
 #include "engine.h"
 #include "p2p_engine.h"
 #include "transport.h"
+#include "xhost.h"
 
 #ifdef RINGREDUCE_WITH_CUDA
 #include <c10/cuda/CUDAException.h>
@@ -192,6 +193,7 @@ class RingReduceBackend final : public c10d::Backend {
   }
 
   py::object comm() { return g_->transport->object(); }
+  c10::optional<int64_t> inter_host_bytes() const { return g_->transport->inter_host_bytes(); }
   bool is_failed() const { return g_->failed.load(); }
   std::string failure() const { return g_->failure_text(); }
 
@@ -1064,7 +1066,7 @@ class RingReduceBackend final : public c10d::Backend {
   }
 
   // Across hosts: gloo's own send/recv on the whole group, posted here (so in issue order) by
-  // HierarchicalComm.p2p_start; a thread per operation waits for it (gloo bounds the wait by
+  // XhostTransport::p2p_start; a thread per operation waits for it (gloo bounds the wait by
   // the group's timeout). A send works on a copy of the tensor and its Work completes at once,
   // as on one host (gloo's send would wait for the matching receive); a send that then fails
   // fails the group. A receive's Work completes when its message is in the tensor. CUDA
@@ -1099,43 +1101,29 @@ class RingReduceBackend final : public c10d::Backend {
                                             std::vector<at::Tensor>{t}, device,
                                             std::vector<at::Tensor>{t});
     trace_p2p(*work, is_send, peer == kAnySource ? -1 : peer, t);
-    // Python objects shared with the waiter thread: created and released under the GIL.
-    auto py_deleter = [](py::object* o) {
-      if (!Py_IsInitialized()) return;
-      py::gil_scoped_acquire g;
-      delete o;
-    };
-    std::shared_ptr<py::object> transport, posted;
-    {
-      py::gil_scoped_acquire gil;
-      transport.reset(new py::object(g_->transport->object()), py_deleter);
-      try {
-        py::object p = peer == kAnySource ? py::object(py::none()) : py::object(py::int_(peer));
-        posted.reset(new py::object(transport->attr("p2p_start")(is_send, host, p, tag)),
-                     py_deleter);
-        if (work->trace().on) g_->fr->started(work->trace());
-      } catch (py::error_already_set& e) {
-        work->finish(
-            std::make_exception_ptr(std::runtime_error(named_error(name, e.what()))));
-        return work;
-      }
+    std::shared_ptr<XhostTransport> xt = std::dynamic_pointer_cast<XhostTransport>(g_->transport);
+    TORCH_INTERNAL_ASSERT(xt, "ringreduce ", name, ": a transport that is neither one host's "
+                          "nor several hosts'");
+    c10::intrusive_ptr<c10d::Work> posted;
+    try {
+      posted = xt->p2p_start(is_send, host, peer, tag);
+      if (work->trace().on) g_->fr->started(work->trace());
+    } catch (const std::exception&) {
+      work->finish(std::make_exception_ptr(
+          std::runtime_error(named_error(name, error_text(std::current_exception())))));
+      return work;
     }
     if (is_send) work->finish(nullptr);
     auto g = g_;
     auto done = std::make_shared<std::atomic<bool>>(false);
-    std::thread waiter([g, work, transport, posted, name, is_send, peer, tag, host, t, staging,
-                        done] {
+    std::thread waiter([g, xt, work, posted, name, is_send, peer, tag, host, t, staging, done] {
       const Finally mark_done([&] { done->store(true, std::memory_order_release); });
       int source = peer;
       std::string error;
-      {
-        py::gil_scoped_acquire gil;
-        try {
-          py::object p = peer == kAnySource ? py::object(py::none()) : py::object(py::int_(peer));
-          source = transport->attr("p2p_wait")(*posted, is_send, p, tag).cast<int>();
-        } catch (py::error_already_set& e) {
-          error = named_error(name, e.what());
-        }
+      try {
+        source = xt->p2p_wait(posted, is_send, peer, tag);
+      } catch (const std::exception&) {
+        error = named_error(name, error_text(std::current_exception()));
       }
       if (error.empty() && !is_send && !host.is_same(t)) {
         try {
@@ -1259,12 +1247,14 @@ void bind_backend(py::module& m) {
   py::class_<RingReduceBackend, c10d::Backend, c10::intrusive_ptr<RingReduceBackend>>(
       m, "Backend", "One rank of a ringreduce process group (torch.distributed backend).")
       .def(py::init([](py::object comm, int rank, int size, double timeout_s, bool async,
-                       py::object store, std::vector<uint64_t> global_ranks) {
+                       py::object store, std::vector<uint64_t> global_ranks,
+                       std::vector<int> hosts) {
              std::shared_ptr<Transport> t;
-             if (py::isinstance<Comm>(comm)) {
-               t = std::make_shared<NativeTransport>(comm.cast<std::shared_ptr<Comm>>());
+             if (py::isinstance<XhostTransport>(comm)) {
+               t = comm.cast<std::shared_ptr<XhostTransport>>();
              } else {
-               t = std::make_shared<PyTransport>(comm);
+               t = std::make_shared<NativeTransport>(comm.cast<std::shared_ptr<Comm>>(),
+                                                     std::move(hosts));
              }
              c10::intrusive_ptr<c10d::Store> st;
              if (!store.is_none()) st = store.cast<c10::intrusive_ptr<c10d::Store>>();
@@ -1274,9 +1264,14 @@ void bind_backend(py::module& m) {
            }),
            py::arg("comm"), py::arg("rank"), py::arg("size"), py::arg("timeout"),
            py::arg("async_engine") = true, py::arg("store") = py::none(),
-           py::arg("global_ranks") = std::vector<uint64_t>{})
+           py::arg("global_ranks") = std::vector<uint64_t>{},
+           py::arg("hosts") = std::vector<int>{},
+           "comm: a Comm (one host; with `hosts`, every rank's host, when its ring spans hosts "
+           "that share memory) or a HierarchicalComm (several hosts).")
       .def_property_readonly("comm", &RingReduceBackend::comm,
                              "The executor object (a Comm, or a HierarchicalComm across hosts).")
+      .def_property_readonly("inter_host_bytes", &RingReduceBackend::inter_host_bytes,
+                             "Bytes this rank has sent to other hosts (None on one host).")
       .def_property_readonly(
           "timeout",
           [](RingReduceBackend& b) { return b.getBackendOptions()->timeout; },
@@ -1284,6 +1279,7 @@ void bind_backend(py::module& m) {
           "options (what dist.split_group copies) from it.")
       .def_property_readonly("failed", &RingReduceBackend::is_failed)
       .def_property_readonly("failure", &RingReduceBackend::failure);
+  bind_xhost(m);
   m.def("shutdown_all", &shutdown_all, py::arg("grace"),
         py::call_guard<py::gil_scoped_release>(),
         "Shuts down every live ringreduce group (interpreter exit).");

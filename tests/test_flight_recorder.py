@@ -293,6 +293,16 @@ def _run_failing(tmp_path, backend, scenario):
     return errors, _analyze(dump_dir, module)
 
 
+def _check_findings_equal_gloos(tmp_path, scenario, ours):
+    """The analyzer's findings on gloo's dumps of the same scenario equal `ours` (skipped, after
+    ringreduce's were checked, where torch's analyzer cannot read gloo's dumps)."""
+    if not _analyzer_reads_gloo():
+        pytest.skip("ringreduce's findings checked; torch " + torch.__version__ + "'s analyzer "
+                    "cannot read gloo's dumps to compare (nccl and xccl only before 2.13)")
+    _, gloos = _run_failing(tmp_path, "gloo", scenario)
+    assert _findings(ours) == _findings(gloos), (ours, gloos)
+
+
 @pytest.mark.timeout(600)
 def test_analyzer_names_the_mismatched_collective(tmp_path):
     errors, ours = _run_failing(tmp_path, "ringreduce", "mismatch")
@@ -301,11 +311,7 @@ def test_analyzer_names_the_mismatched_collective(tmp_path):
     assert ("Culprit rank 2; Error type: COLLECTIVE_TYPE_MISMATCH, Expected collective type: "
             "'all_reduce' does not match found collective type: 'broadcast'") in ours, ours
     assert "collective: ringreduce:all_reduce" in ours, ours
-    if not _analyzer_reads_gloo():
-        pytest.skip("ringreduce's findings checked; torch " + torch.__version__ + "'s analyzer "
-                    "cannot read gloo's dumps to compare (nccl and xccl only before 2.13)")
-    _, gloos = _run_failing(tmp_path, "gloo", "mismatch")
-    assert _findings(ours) == _findings(gloos), (ours, gloos)
+    _check_findings_equal_gloos(tmp_path, "mismatch", ours)
 
 
 @pytest.mark.timeout(600)
@@ -314,8 +320,4 @@ def test_analyzer_names_the_missing_rank(tmp_path):
     assert errors[3] is None and all(errors[:3]), errors
     assert "Not all ranks joining collective, sequence number: 4" in ours, ours
     assert "missing ranks: {3}" in ours, ours
-    if not _analyzer_reads_gloo():
-        pytest.skip("ringreduce's findings checked; torch " + torch.__version__ + "'s analyzer "
-                    "cannot read gloo's dumps to compare (nccl and xccl only before 2.13)")
-    _, gloos = _run_failing(tmp_path, "gloo", "missing")
-    assert _findings(ours) == _findings(gloos), (ours, gloos)
+    _check_findings_equal_gloos(tmp_path, "missing", ours)

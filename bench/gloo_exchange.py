@@ -1,13 +1,15 @@
-"""gloo's ways of moving a shard between hosts, timed against each other: all-gather, all-to-all
-and all-reduce, with every rank sending the same bytes (ringreduce/hierarchy.py picks among
-them for the inter-host phase).
+"""gloo's ways of moving a shard between hosts, timed against each other: all-gather, all-to-all,
+exchange and all-reduce, with every rank sending the same bytes (csrc/multiprocess/xhost.h picks
+among them for the inter-host phase).
 
     python bench/gloo_exchange.py [--ranks 2] [--sizes 1M,4M,16M] [--iters 25]
 
 For each size S (bytes each rank sends): all-gather of S per rank, all-to-all of a buffer whose
-slots other than the rank's own hold S in all, and all-reduce of a buffer of S*N/(2(N-1)) bytes
-(a ring all-reduce sends 2(N-1)/N of it). The three run interleaved, a barrier before each call,
-so a busy machine slows them alike; the table gives the median and the minimum over --iters.
+slots other than the rank's own hold S in all, the exchange: the same all-to-all with nothing for
+the rank itself (its split sizes 0; xhost.h's two-host step), and all-reduce of a buffer of
+S*N/(2(N-1)) bytes (a ring all-reduce sends 2(N-1)/N of it). The four run interleaved, a barrier
+before each call, so a busy machine slows them alike; the table gives the median and the minimum
+over --iters.
 """
 import argparse
 import datetime
@@ -35,10 +37,14 @@ def _rank(rank, world, store_path, sizes, iters, queue):
         per_slot = -(-n // (world - 1))
         send, recv = torch.ones(world * per_slot), torch.empty(world * per_slot)
         reduced = torch.ones(-(-n * world // (2 * (world - 1))))
+        splits = [0 if r == rank else per_slot for r in range(world)]
+        xsend, xrecv = torch.ones((world - 1) * per_slot), torch.empty((world - 1) * per_slot)
         calls = {
             "all_gather": lambda: pg._allgather_base(gathered, src).wait(),
             "all_to_all": lambda: pg.alltoall_base(recv, send, [], [],
                                                    dist.AllToAllOptions()).wait(),
+            "exchange": lambda: pg.alltoall_base(xrecv, xsend, list(splits), list(splits),
+                                                 dist.AllToAllOptions()).wait(),
             "all_reduce": lambda: pg.allreduce([reduced]).wait(),
         }
         times = {k: [] for k in calls}
@@ -83,11 +89,11 @@ def main():
         results = dict(queue.get(timeout=1800) for _ in procs)
         for proc in procs:
             proc.join(30)
-    print(f"# {'sent/rank':>10}  {'all_gather med/min (ms)':>24}  {'all_to_all med/min (ms)':>24}"
-          f"  {'all_reduce med/min (ms)':>24}")
+    kinds = ("all_gather", "all_to_all", "exchange", "all_reduce")
+    print(f"# {'sent/rank':>10}  " + "  ".join(f"{k + ' med/min (ms)':>24}" for k in kinds))
     for size, t in results[0]:
         cells = "  ".join(f"{t[k][0] * 1e3:11.2f} /{t[k][1] * 1e3:10.2f}"
-                          for k in ("all_gather", "all_to_all", "all_reduce"))
+                          for k in kinds)
         print(f"  {common.format_size(size):>10}  {cells}")
 
 

@@ -65,17 +65,17 @@ def _mapped_segments():
         return sorted({(int(m.group(1)), int(m.group(2))) for m in _SEGMENT.finditer(f.read())})
 
 
-def _all_reduce_sweep(rank, world, hosts, dtypes, sizes, seed, extra=()):
-    """All-reduce of every dtype x op x size, then of each (dtype, op, size) in `extra`:
-    (problems, sha256 of every result)."""
+def _all_reduce_sweep(rank, world, hosts, dtypes, sizes, seed, extra=(), group=None):
+    """All-reduce of every dtype x op x size, then of each (dtype, op, size) in `extra`, on
+    `group` (the default group if None): (problems, sha256 of every result)."""
     problems, digest = [], hashlib.sha256()
     cases = [(d, o, c) for d in dtypes for o in valid_ops(d) for c in sizes] + list(extra)
     for case, (dtype, op, count) in enumerate(cases):
         g = torch.Generator().manual_seed(seed + case)
         inputs = random_inputs(world, count, dtype, op, generator=g)
         first, second = inputs[rank].clone(), inputs[rank].clone()
-        dist.all_reduce(first, op=_reduce_op(op))
-        dist.all_reduce(second, op=_reduce_op(op))
+        dist.all_reduce(first, op=_reduce_op(op), group=group)
+        dist.all_reduce(second, op=_reduce_op(op), group=group)
         name = f"{dtype} {op} n={count}"
         if not torch.equal(first.view(torch.uint8), second.view(torch.uint8)):
             problems.append(f"{name}: two identical calls differ")
@@ -92,7 +92,7 @@ def _all_reduce_sweep(rank, world, hosts, dtypes, sizes, seed, extra=()):
     for op in ("max", "min"):
         t = torch.arange(8, dtype=torch.float32)
         t[rank] = float("nan")
-        dist.all_reduce(t, op=_reduce_op(op))
+        dist.all_reduce(t, op=_reduce_op(op), group=group)
         if not bool(torch.isnan(t[:world]).all()) or bool(torch.isnan(t[world:]).any()):
             problems.append(f"{op}: NaN did not propagate exactly: {t.tolist()}")
     return problems, digest.hexdigest()
@@ -140,21 +140,37 @@ def _two_hosts(rank, world, store, hosts):
     pg = dist.group.WORLD
     out = {"pid": os.getpid(), "segments": _mapped_segments(), "layout": comm_of(pg).layout.hosts,
            "host": comm_of(pg).layout.host}
-    # Shards over 64 KiB go through the engine's all-to-all (and, for 32/64-bit sum, its
-    # all-reduce); the smaller ones through its all-gather.
+    # Two hosts exchange CPU partials up to 1 MiB (an all-to-all with nothing to itself);
+    # larger ones go through the engine's all-reduce (32/64-bit sum) or all-to-all (max). Up to
+    # RINGREDUCE_XHOST_LEADER_BYTES (1 MiB) only the hosts' first ranks cross, with the whole
+    # partial; above it every local rank crosses with its shard. The two other groups force one
+    # schedule at every size; all three must give the same bits.
     large = [(torch.float32, "sum", 100000), (torch.float32, "max", 100000),
-             (torch.bfloat16, "avg", 100000), (torch.int8, "prod", 300000)]
+             (torch.bfloat16, "avg", 100000), (torch.int8, "prod", 300000),
+             (torch.float32, "sum", 600000), (torch.float64, "max", 300000)]
     out["problems"], out["digest"] = _all_reduce_sweep(rank, world, hosts, ALL_DTYPES, SIZES, 0,
                                                        large)
     problems = out["problems"]
+    paths = {}
+    for name, limit in (("shards", "0"), ("leaders", str(1 << 40))):
+        os.environ["RINGREDUCE_XHOST_LEADER_BYTES"] = limit  # read when the group is made
+        paths[name] = dist.new_group(backend="ringreduce")
+    del os.environ["RINGREDUCE_XHOST_LEADER_BYTES"]
+    for name, group in paths.items():
+        found, out[f"digest_{name}"] = _all_reduce_sweep(rank, world, hosts, ALL_DTYPES, SIZES,
+                                                         0, large, group=group)
+        problems += [f"{name}: {p}" for p in found]
 
     _CountingGloo.log.clear()
-    before, written = inter_host_bytes(pg), _written()
-    dist.all_reduce(torch.ones(1 << 16))
-    out["written"] = _written() - written
-    out["bytes"] = inter_host_bytes(pg) - before
+    for name, group in (("leader", None), ("shards", paths["shards"])):
+        before, written = inter_host_bytes(group), _written()
+        dist.all_reduce(torch.ones(1 << 16), group=group)
+        out[f"written_{name}"] = _written() - written
+        out[f"bytes_{name}"] = inter_host_bytes(group) - before
     out["crossed"] = list(_CountingGloo.log)
     out["gloo_made"] = _CountingGloo.made
+    for group in paths.values():
+        dist.destroy_process_group(group)
 
     m = 1031
     for dtype, op in ((torch.float64, "sum"), (torch.int32, "prod"), (torch.float32, "avg"),
@@ -223,6 +239,9 @@ def test_two_hosts_all_reduce_every_dtype_and_op(two_hosts):
 
 def test_two_hosts_bitwise_identical_on_every_rank(two_hosts):
     assert len({out["digest"] for out in two_hosts}) == 1
+    for name in ("shards", "leaders"):
+        assert [out[f"digest_{name}"] for out in two_hosts] == [out["digest"] for out in two_hosts], \
+            f"the {name} schedule gives other bits than the default"
     assert len({out["ddp_digest"] for out in two_hosts}) == 1, "DDP replicas diverged"
 
 
@@ -231,16 +250,22 @@ def test_two_hosts_ddp_close_to_gloo(two_hosts):
 
 
 def test_inter_host_bytes_per_rank(two_hosts):
-    """2 hosts of 2 ranks, a float32 all-reduce of S = 256 KiB: each rank hands its shard, half
-    the tensor, to the inter-host engine once: the model's 2*S*(H-1)/(H*L) = S/2 (xhost.h's own
-    count: the inter-host groups are called from C++, where a Python subclass cannot count)."""
-    shard = 4 * (1 << 16) // 2
+    """2 hosts of 2 ranks, a float32 all-reduce of S = 256 KiB. Every local rank driving its
+    shard (RINGREDUCE_XHOST_LEADER_BYTES=0): each rank hands half the tensor to the inter-host
+    engine once, the model's 2*S*(H-1)/(H*L) = S/2. By default (S is under 1 MiB) the hosts'
+    first ranks hand the whole S, the others nothing. (xhost.h's own count: the inter-host
+    groups are called from C++, where a Python subclass cannot count.)"""
+    whole = 4 * (1 << 16)
     for rank, out in enumerate(two_hosts):
-        assert out["bytes"] == shard, (rank, out["bytes"])
-        # What crossed, counted by the kernel, not by the code: gloo's 2-member all-reduce of
-        # the shard writes the shard once plus its headers (a few hundred bytes; the store's
-        # failure watch adds a few more). The whole tensor crossing would write S, not S/2.
-        assert shard <= out["written"] <= shard + 16384, (rank, out["written"])
+        first = out["layout"][out["host"]][0] == rank
+        for name, sent in (("shards", whole // 2), ("leader", whole if first else 0)):
+            assert out[f"bytes_{name}"] == sent, (rank, name, out[f"bytes_{name}"])
+            # What crossed, counted by the kernel, not by the code: the exchange writes what is
+            # sent once plus headers (a few hundred bytes; the store's failure watch adds a
+            # few more). A rank sending the whole tensor where it should send half (or
+            # nothing) writes S/2 more.
+            assert sent <= out[f"written_{name}"] <= sent + 16384, (rank, name,
+                                                                    out[f"written_{name}"])
 
 
 def test_inter_host_groups_are_called_from_cpp(two_hosts):

@@ -12,10 +12,15 @@
 //    H-1 (fp32 for 16-bit floats, rounded once), so the result does not depend on the engine's
 //    algorithm: each member receives every partial (an all-gather, shards up to 64 KiB) or its
 //    1/H piece of each (an all-to-all), folds them in host order and, in the all-to-all case,
-//    all-gathers the finished pieces (the bytes of a ring all-reduce). With two hosts, sum, avg
-//    and prod of 32/64-bit types use the engine's own all-reduce, whose result is the fold's
-//    bit for bit (two operands commute exactly);
+//    all-gathers the finished pieces (the bytes of a ring all-reduce). Two hosts' CPU partials up
+//    to 1 MiB are exchanged (one all-to-all, nothing to itself) and both fold them; otherwise,
+//    with two hosts, sum, avg and prod of 32/64-bit types use the engine's all-reduce, whose
+//    result is the fold's bit for bit (two operands commute exactly);
 // 3. all-gather inside the host.
+// CPU tensors up to RINGREDUCE_XHOST_LEADER_BYTES take a shortcut after step 1: the host
+// all-gathers its partial, its first rank does step 2 on the whole of it with the other hosts'
+// first ranks, then broadcasts the result inside the host. The same partials folded in the same
+// order, so the same bits; one inter-host exchange per host instead of one per local rank.
 // Uneven hosts (3 ranks on one, 1 on another): each host cuts the tensor into its own L_h ring
 // chunks; the union of the cuts gives segments, each all-reduced among the one rank per host
 // whose shard holds it (segments()), in increasing offset order on every rank.
@@ -145,6 +150,16 @@ class XhostTransport final : public Transport,
   // engine call instead of two; with H hosts it sends H/2 times the bytes of the two). Not
   // tuned: no run has had more than two hosts.
   static constexpr int64_t kSmallShardBytes = 64 << 10;
+  // RINGREDUCE_XHOST_LEADER_BYTES's default: CPU all-reduces up to this size cross hosts once,
+  // between the hosts' first ranks (all_reduce_flat). Two simulated hosts x 2 ranks on the
+  // 2-core CI VM (bench/multihost.py, bench/RESULTS.md): 1.6-3x faster than every local rank
+  // driving its shard at 64 KiB, 1.2-1.4x at 1 MiB, slower from 4 MiB.
+  static constexpr int64_t kDefaultLeaderBytes = 1 << 20;
+  // Two hosts' CPU partials up to this size cross as one exchange (xhost_all_reduce); larger
+  // ones through gloo's all-reduce (32/64-bit sum, avg, prod) or all-to-all, whose pipelined
+  // steps catch up from there (2 ranks, bench/gloo_exchange.py, medians: the exchange 1.7x
+  // faster than the all-reduce at 64 KiB and 512 KiB, 2.2-2.6x at 1-2 MiB, 1.05x slower at 8 MiB).
+  static constexpr int64_t kExchangeBytes = 1 << 20;
   static constexpr auto kRollCall = std::chrono::seconds(1);  // a broken engine call's roll call
   static constexpr auto kPoll = std::chrono::milliseconds(50);
   static constexpr auto kStorePoll = std::chrono::milliseconds(200);
@@ -161,7 +176,10 @@ class XhostTransport final : public Transport,
         store_(std::move(store)),
         prefix_(std::move(prefix)),
         timeout_s_(timeout_s),
-        make_group_(std::move(make_group)) {
+        make_group_(std::move(make_group)),
+        leader_bytes_(env_int("RINGREDUCE_XHOST_LEADER_BYTES", kDefaultLeaderBytes, 0,
+                              int64_t(1) << 50, "a number of bytes (CPU all-reduces up to this "
+                              "size cross hosts between the hosts' first ranks only)")) {
     for (size_t h = 0; h < hosts_.size(); ++h) {
       for (size_t q = 0; q < hosts_[h].size(); ++q) {
         const int r = hosts_[h][q];
@@ -178,6 +196,7 @@ class XhostTransport final : public Transport,
     for (int r = 0; r < world_; ++r) everyone_.push_back(r);
     for (const auto& ranks : hosts_) {
       if (size_t(local_rank_) < ranks.size()) index_group_.push_back(ranks[size_t(local_rank_)]);
+      leaders_.push_back(ranks[0]);
     }
   }
 
@@ -702,13 +721,24 @@ class XhostTransport final : public Transport,
       // In place: this rank's segment of the input is the output.
       local_call([&] { local_->reduce_scatter(mine, buf, local_op(op)); });
     }
-    for (const Segment& s : xhost_segments(hosts_, n, flat.element_size())) {
-      if (s.owners[size_t(host_)] == rank_) {
-        xhost_all_reduce(buf.narrow(0, s.begin, s.end - s.begin), op, s.owners);
+    if (!flat.is_cuda() && n * int64_t(flat.element_size()) <= leader_bytes_) {
+      // Up to RINGREDUCE_XHOST_LEADER_BYTES, the host's partial crosses whole, once, between
+      // the hosts' first ranks, and comes back to the others by broadcast: one inter-host
+      // exchange instead of one per local rank (on a busy host each costs wake-ups of several
+      // threads). The same partials folded in the same host order: the same bits as below.
+      if (nl > 1) local_call([&] { local_->all_gather(buf.view({nl, per}).unbind(0), mine); });
+      const at::Tensor whole = buf.narrow(0, 0, n);
+      if (local_rank_ == 0 && n > 0) xhost_all_reduce(whole, op, leaders_);
+      if (nl > 1 && n > 0) local_call([&] { local_->broadcast(whole, 0); });
+    } else {
+      for (const Segment& s : xhost_segments(hosts_, n, flat.element_size())) {
+        if (s.owners[size_t(host_)] == rank_) {
+          xhost_all_reduce(buf.narrow(0, s.begin, s.end - s.begin), op, s.owners);
+        }
       }
-    }
-    if (nl > 1) {
-      local_call([&] { local_->all_gather(buf.view({nl, per}).unbind(0), mine); });
+      if (nl > 1) {
+        local_call([&] { local_->all_gather(buf.view({nl, per}).unbind(0), mine); });
+      }
     }
     if (!buf.is_same(flat)) flat.copy_(buf.narrow(0, 0, n));
   }
@@ -719,6 +749,25 @@ class XhostTransport final : public Transport,
     const at::ScalarType dt = x.scalar_type();
     const bool engine_type =
         dt == at::kFloat || dt == at::kDouble || dt == at::kInt || dt == at::kLong;
+    if (nh == 2 && !x.is_cuda() && x.numel() * int64_t(x.element_size()) <= kExchangeBytes) {
+      // Two hosts, CPU: an exchange. Each member sends its partial to the other (gloo's
+      // all-to-all with nothing for itself: one message each way, where gloo's all-reduce
+      // takes two steps), then both fold the two in host order, so they get the same bits.
+      const int64_t m = x.numel() * int64_t(x.element_size());
+      const int64_t me = members[0] == rank_ ? 0 : 1;
+      const at::Tensor rows = at::empty({2, x.numel()}, x.options());
+      rows[me].copy_(x);
+      at::Tensor in = bytes(x), out = bytes(rows[1 - me]);
+      const std::vector<int64_t> splits = me == 0 ? std::vector<int64_t>{0, m}
+                                                  : std::vector<int64_t>{m, 0};
+      xhost(members, &x, "all_reduce", [&](c10d::Backend& g) {
+        // Copies: gloo moves the split vectors out of the arguments.
+        std::vector<int64_t> out_splits = splits, in_splits = splits;
+        return g.alltoall_base(out, in, out_splits, in_splits, c10d::AllToAllOptions());
+      });
+      xhost_fold(rows, op, world_, x);
+      return;
+    }
     if (nh == 2 && (op == "sum" || op == "avg" || op == "prod") && engine_type) {
       // Two operands commute bit for bit (IEEE and wrapping integer + and *), so the engine's
       // own all-reduce gives exactly the host-order fold's bits, in one call and without a
@@ -792,6 +841,7 @@ class XhostTransport final : public Transport,
   const std::string prefix_;
   std::atomic<double> timeout_s_;
   const GroupFactory make_group_;
+  const int64_t leader_bytes_;  // RINGREDUCE_XHOST_LEADER_BYTES
   std::vector<int> host_of_;
   int world_ = 0;
   int host_ = 0;
@@ -799,6 +849,7 @@ class XhostTransport final : public Transport,
   bool even_ = true;
   std::vector<int> everyone_;
   std::vector<int> index_group_;  // the ranks of this rank's local index, one per host
+  std::vector<int> leaders_;      // each host's first rank, in host order
 
   std::mutex groups_mu_;
   std::map<std::pair<std::vector<int>, bool>, c10::intrusive_ptr<c10d::Backend>> groups_;

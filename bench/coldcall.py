@@ -18,10 +18,10 @@ they are released together; each rank times its own call, the iteration's time i
 rank's, and the table gives the median over iterations. Each iteration visits every
 configuration once, in the next of all their orders (visit_order), so drift (the machine's other
 work, frequency) hits all of them alike, and each configuration comes right after each other one
-equally often: a gloo call leaves the machine busy for a while after it returns (its threads),
-and under a plain rotation the default ringreduce group, which then came after gloo and fake
-in most iterations, measured 21-38 us more per cold call than ringreduce-sync at 8 B-1 MiB
-(here, 2026-11-26, load 2.5), while alone with ringreduce-sync it measured the same.
+equally often. gloo is timed in a pass of its own, after the others, for each size: a gloo call
+leaves the machine busy for a while after it returns (its threads), and interleaved with it every
+other configuration measured 3-5x its own time (2026-11-26, quiet 2-core VM, 8 B: fake 28.9 us
+with gloo in the rotation, 6.4 us without; ringreduce 42.1 against 8.0).
 b2b: runs of back-to-back calls (no barrier in between), timed one by one; the same per-call
 statistic (slowest rank, median). Runs of the configurations alternate as above.
 
@@ -83,6 +83,12 @@ def visit_order(configs, i):
     equally often (a rotation would always put the same one after gloo)."""
     orders = list(itertools.permutations(configs))
     return orders[i % len(orders)]
+
+
+def passes(configs):
+    """The configurations timed together (interleaved), pass after pass: gloo alone, last."""
+    together = [c for c in configs if c != "gloo"]
+    return [p for p in (together, [c for c in configs if c == "gloo"]) if p]
 
 
 def iterations(size, args):
@@ -163,25 +169,26 @@ def _rank_body(rank, world, store, barrier_path, args):
                                              before=bar.wait, unchecked=("fake",))
         n = iterations(size, args)
         cold = {c: [] for c in configs}
-        for i in range(args.warmup + n):
-            for c in visit_order(configs, i):
-                bar.wait()
-                t0 = time.perf_counter()
-                dist.all_reduce(bufs[c], group=groups[c])
-                t1 = time.perf_counter()
-                if i >= args.warmup:
-                    cold[c].append(t1 - t0)
         b2b = {c: [] for c in configs}
         runs = max(2, (n + args.b2b_run - 1) // args.b2b_run)
-        for i in range(runs):
-            for c in visit_order(configs, i):
-                bar.wait()
-                buf, group = bufs[c], groups[c]
-                dist.all_reduce(buf, group=group)  # the run's first call is not back-to-back
-                for _ in range(args.b2b_run):
+        for together in passes(configs):
+            for i in range(args.warmup + n):
+                for c in visit_order(together, i):
+                    bar.wait()
                     t0 = time.perf_counter()
-                    dist.all_reduce(buf, group=group)
-                    b2b[c].append(time.perf_counter() - t0)
+                    dist.all_reduce(bufs[c], group=groups[c])
+                    t1 = time.perf_counter()
+                    if i >= args.warmup:
+                        cold[c].append(t1 - t0)
+            for i in range(runs):
+                for c in visit_order(together, i):
+                    bar.wait()
+                    buf, group = bufs[c], groups[c]
+                    dist.all_reduce(buf, group=group)  # the run's first call is not back-to-back
+                    for _ in range(args.b2b_run):
+                        t0 = time.perf_counter()
+                        dist.all_reduce(buf, group=group)
+                        b2b[c].append(time.perf_counter() - t0)
         out.append({"size": size, "count": count, "iters": n, "cold": cold, "b2b": b2b,
                     "wrong": wrong})
         del bufs
@@ -236,7 +243,7 @@ def main(argv=None, out=sys.stdout):
     print(f"# cpu: {info['cpu']} ({info['cpu_count']} logical cores)  torch {info['torch']}",
           file=out)
     print(f"# {args.ranks} ranks, float32 sum, configurations {', '.join(args.configs)} in the "
-          "same processes, interleaved", file=out)
+          "same processes, interleaved (gloo in a pass of its own)", file=out)
     print(f"# command: {common.command_line()}", file=out)
     print("# load average (1, 5, 15 min) at start: " +
           ", ".join(f"{x:.2f}" for x in load["start"]), file=out)

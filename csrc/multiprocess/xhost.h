@@ -743,21 +743,35 @@ class XhostTransport final : public Transport,
     if (!buf.is_same(flat)) flat.copy_(buf.narrow(0, 0, n));
   }
 
+  // avg's last step on a total: over the group's ranks (integers toward zero, as NCCL's).
+  void divide_total(const at::Tensor& x) const {
+    if (x.is_floating_point()) {
+      x.div_(world_);
+    } else {
+      x.copy_(at::div(x, world_, "trunc"));
+    }
+  }
+
   void xhost_all_reduce(const at::Tensor& x, const std::string& op,
                         const std::vector<int>& members) {
     const int64_t nh = int64_t(members.size());
     const at::ScalarType dt = x.scalar_type();
     const bool engine_type =
         dt == at::kFloat || dt == at::kDouble || dt == at::kInt || dt == at::kLong;
+    // Two operands commute bit for bit (IEEE and wrapping integer + and *), so for these an
+    // unordered combination gives exactly the host-order fold's bits.
+    const bool commutes = (op == "sum" || op == "avg" || op == "prod") && engine_type;
     if (nh == 2 && !x.is_cuda() && x.numel() * int64_t(x.element_size()) <= kExchangeBytes) {
       // Two hosts, CPU: an exchange. Each member sends its partial to the other (gloo's
       // all-to-all with nothing for itself: one message each way, where gloo's all-reduce
-      // takes two steps), then both fold the two in host order, so they get the same bits.
+      // takes two steps), then both combine the two: in place where they commute, else
+      // folded in host order, so both get the same bits.
       const int64_t m = x.numel() * int64_t(x.element_size());
       const int64_t me = members[0] == rank_ ? 0 : 1;
-      const at::Tensor rows = at::empty({2, x.numel()}, x.options());
-      rows[me].copy_(x);
-      at::Tensor in = bytes(x), out = bytes(rows[1 - me]);
+      const at::Tensor rows = commutes ? at::Tensor() : at::empty({2, x.numel()}, x.options());
+      const at::Tensor other = commutes ? at::empty_like(x) : rows[1 - me];
+      if (!commutes) rows[me].copy_(x);
+      at::Tensor in = bytes(x), out = bytes(other);
       const std::vector<int64_t> splits = me == 0 ? std::vector<int64_t>{0, m}
                                                   : std::vector<int64_t>{m, 0};
       xhost(members, &x, "all_reduce", [&](c10d::Backend& g) {
@@ -765,24 +779,26 @@ class XhostTransport final : public Transport,
         std::vector<int64_t> out_splits = splits, in_splits = splits;
         return g.alltoall_base(out, in, out_splits, in_splits, c10d::AllToAllOptions());
       });
-      xhost_fold(rows, op, world_, x);
+      if (!commutes) {
+        xhost_fold(rows, op, world_, x);
+        return;
+      }
+      if (op == "prod") {
+        x.mul_(other);
+      } else {
+        x.add_(other);
+      }
+      if (op == "avg") divide_total(x);
       return;
     }
-    if (nh == 2 && (op == "sum" || op == "avg" || op == "prod") && engine_type) {
-      // Two operands commute bit for bit (IEEE and wrapping integer + and *), so the engine's
-      // own all-reduce gives exactly the host-order fold's bits, in one call and without a
+    if (nh == 2 && commutes) {
+      // The engine's own all-reduce: the host-order fold's bits in one call, without a
       // separate fold pass.
       c10d::AllreduceOptions opts;
       opts.reduceOp = op == "prod" ? c10d::ReduceOp::PRODUCT : c10d::ReduceOp::SUM;
       std::vector<at::Tensor> data{x};
       xhost(members, &x, "all_reduce", [&](c10d::Backend& g) { return g.allreduce(data, opts); });
-      if (op == "avg") {
-        if (x.is_floating_point()) {
-          x.div_(world_);
-        } else {
-          x.copy_(at::div(x, world_, "trunc"));
-        }
-      }
+      if (op == "avg") divide_total(x);
       return;
     }
     if (x.numel() * int64_t(x.element_size()) <= kSmallShardBytes) {

@@ -317,6 +317,12 @@ void reduce_scatter(HostGroup& g, const void* in, void* out, int64_t count, DTyp
     const int64_t rounds = std::max<int64_t>(1, ceil_div(count, piece));
     const char* in_bytes = static_cast<const char*>(in);
     char* out_bytes = static_cast<char*>(out);
+    // The output may be this rank's own segment of the input (reduce_scatter_tensor in place;
+    // Comm routes every other overlap through a scratch output). Then ranks 2 and up must stage
+    // their own segment too: the first combine (segments 0 and 1) writes the output before
+    // they read it. Elsewhere the own segment is read straight from the input, in place.
+    const bool in_place = out_bytes == in_bytes + rank * count * esize;
+    const bool stage_own = in_place && rank >= 2;
     for (int64_t i = 0; i < rounds; ++i) {
       const uint64_t base = g.base();
       const int64_t lo = std::min(count, i * piece);
@@ -325,22 +331,26 @@ void reduce_scatter(HostGroup& g, const void* in, void* out, int64_t count, DTyp
       g.set_desc(host_desc(ctx, int(dtype), int(op), -1, count, i));
       char* own = g.staging(rank);
       for (int seg = 0; seg < n; ++seg) {
+        if (seg == rank && !stage_own) continue;  // no peer reads it
         copy_bytes(own + seg * piece * esize, in_bytes + (seg * count + lo) * esize, len * esize);
       }
       g.publish(base + 1);
-      // Fixed order 0, 1, ..., N-1, the same on every rank and every call.
+      // Fixed order 0, 1, ..., N-1, the same on every rank and every call: the first step
+      // combines segments 0 and 1 into the output (no copy first), each later one combines
+      // the next into it.
       char* dst = out_bytes + lo * esize;
+      auto segment = [&](int q) -> const char* {
+        if (q == rank && !stage_own) return in_bytes + (rank * count + lo) * esize;
+        return g.staging(q) + rank * piece * esize;
+      };
       for (int q = 0; q < n; ++q) {
         if (q != rank) {
           g.wait(q, base + 1, ctx, step_text("reduce", q, n, i));
           g.check_desc(q, ctx);
         }
-        const char* src = g.staging(q) + rank * piece * esize;
-        if (q == 0) {
-          copy_bytes(dst, src, len * esize);
-        } else if (len > 0) {
-          ::rr::cpu::combine(dtype, op, dst, src, len, q == n - 1, n);
-        }
+        if (q == 0 || len == 0) continue;
+        const char* partial = q == 1 ? segment(0) : dst;
+        ::rr::cpu::combine(dtype, op, dst, partial, segment(q), len, q == n - 1, n);
       }
       g.publish(base + 2);
       g.publish(base + 3);

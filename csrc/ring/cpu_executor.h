@@ -11,7 +11,7 @@ namespace cpu {
 
 // One reduce-scatter hop on n elements: dst[i] = combine(own[i], src[i]); when `last` is set
 // and op is Avg, the result is divided by `nranks` before rounding to the storage type.
-// dst may be own (in place).
+// dst may be own or src (element by element, in place).
 void combine(DType dtype, Op op, void* dst, const void* own, const void* src, int64_t n,
              bool last, int nranks);
 

@@ -159,6 +159,8 @@ class XhostTransport final : public Transport,
   // ones through gloo's all-reduce (32/64-bit sum, avg, prod) or all-to-all, whose pipelined
   // steps catch up from there (2 ranks, bench/gloo_exchange.py, medians: the exchange 1.7x
   // faster than the all-reduce at 64 KiB and 512 KiB, 2.2-2.6x at 1-2 MiB, 1.05x slower at 8 MiB).
+  // With the exchange adding in place, 4 MiB instead gained nothing consistent at 2-16 MiB in
+  // bench/multihost.py (two runs each, bench/RESULTS.md).
   static constexpr int64_t kExchangeBytes = 1 << 20;
   static constexpr auto kRollCall = std::chrono::seconds(1);  // a broken engine call's roll call
   static constexpr auto kPoll = std::chrono::milliseconds(50);

@@ -113,6 +113,15 @@ inline at::Tensor xhost_combine(at::Tensor acc, const at::Tensor& x, const std::
   return at::where(acc.isnan().logical_or(better.logical_or(x.isnan()).logical_not()), acc, x);
 }
 
+// avg's last step on a total: divided by `nranks` (integers toward zero, as NCCL's average).
+inline void xhost_divide(const at::Tensor& total, int64_t nranks) {
+  if (total.is_floating_point()) {
+    total.div_(nranks);
+  } else {
+    total.copy_(at::div(total, nranks, "trunc"));
+  }
+}
+
 // Combines rows[0], rows[1], ... (dim 0 of `rows`) in that order into `out`: fp32 for 16-bit
 // floats, rounded once at the end; avg divides the total by `nranks` (integers toward zero, as
 // NCCL's integer average).
@@ -128,13 +137,7 @@ inline void xhost_fold(const at::Tensor& rows, const std::string& op, int64_t nr
   for (int64_t i = 1; i < rows.size(0); ++i) {
     acc = xhost_combine(acc, rows[i].to(acc.scalar_type()), op);
   }
-  if (op == "avg") {
-    if (acc.is_floating_point()) {
-      acc.div_(nranks);
-    } else {
-      acc.copy_(at::div(acc, nranks, "trunc"));
-    }
-  }
+  if (op == "avg") xhost_divide(acc, nranks);
   if (!acc.is_same(out)) out.copy_(acc);
 }
 
@@ -745,15 +748,6 @@ class XhostTransport final : public Transport,
     if (!buf.is_same(flat)) flat.copy_(buf.narrow(0, 0, n));
   }
 
-  // avg's last step on a total: over the group's ranks (integers toward zero, as NCCL's).
-  void divide_total(const at::Tensor& x) const {
-    if (x.is_floating_point()) {
-      x.div_(world_);
-    } else {
-      x.copy_(at::div(x, world_, "trunc"));
-    }
-  }
-
   void xhost_all_reduce(const at::Tensor& x, const std::string& op,
                         const std::vector<int>& members) {
     const int64_t nh = int64_t(members.size());
@@ -785,12 +779,8 @@ class XhostTransport final : public Transport,
         xhost_fold(rows, op, world_, x);
         return;
       }
-      if (op == "prod") {
-        x.mul_(other);
-      } else {
-        x.add_(other);
-      }
-      if (op == "avg") divide_total(x);
+      xhost_combine(x, other, op);  // in place: + or *
+      if (op == "avg") xhost_divide(x, world_);
       return;
     }
     if (nh == 2 && commutes) {
@@ -800,7 +790,7 @@ class XhostTransport final : public Transport,
       opts.reduceOp = op == "prod" ? c10d::ReduceOp::PRODUCT : c10d::ReduceOp::SUM;
       std::vector<at::Tensor> data{x};
       xhost(members, &x, "all_reduce", [&](c10d::Backend& g) { return g.allreduce(data, opts); });
-      if (op == "avg") divide_total(x);
+      if (op == "avg") xhost_divide(x, world_);
       return;
     }
     if (x.numel() * int64_t(x.element_size()) <= kSmallShardBytes) {

@@ -15,7 +15,10 @@ between hosts, composed in C++) and a gloo group over the same ranks. For each s
 i calls both, in an order alternating with i, so drift hits both alike; each call is timed on
 its own (back-to-back calls, no barrier), an iteration's time is its slowest rank's, and the
 table gives the median over iterations, the ratio ringreduce / gloo (below 1: ringreduce is
-faster) and gloo's time over ringreduce's (speedup). Buffers are integer-valued float32; the
+faster) and gloo's time over ringreduce's (speedup). Beside each time, the CPU time the call
+took in all the ranks' processes together (every thread: gloo's too), median over iterations:
+where it nears cores x time the ranks share saturated cores, and the time ratio can only
+follow the CPU ratio. Buffers are integer-valued float32; the
 first call of each size is checked exactly (#wrong). Exits 1 if a result is wrong, 2 if a rank
 fails.
 """
@@ -106,15 +109,17 @@ def _rank_body(rank, world, args):
         bufs, wrong = common.checked_buffers(size, rank, world, groups)
         n = iterations(size, args)
         times = {b: [] for b in BACKENDS}
+        cpu = {b: [] for b in BACKENDS}
         dist.barrier(group=groups["gloo"])
         for i in range(args.warmup + n):
             for b in (BACKENDS if i % 2 == 0 else BACKENDS[::-1]):
-                t0 = time.perf_counter()
+                c0, t0 = time.process_time(), time.perf_counter()
                 dist.all_reduce(bufs[b], group=groups[b])
                 if i >= args.warmup:
                     times[b].append(time.perf_counter() - t0)
+                    cpu[b].append(time.process_time() - c0)
         out["sweep"].append({"size": size, "count": count, "iters": n, "times": times,
-                             "wrong": wrong})
+                             "cpu": cpu, "wrong": wrong})
         del bufs
     everyone = [None] * world
     dist.all_gather_object(everyone, out, group=groups["gloo"])
@@ -194,6 +199,10 @@ def slowest_median(per_rank):
     return statistics.median(max(col) for col in zip(*per_rank)) * 1e6
 
 
+def total_median(per_rank):
+    return statistics.median(sum(col) for col in zip(*per_rank)) * 1e6
+
+
 def main(argv=None, out=sys.stdout):
     args = parse_args(sys.argv[1:] if argv is None else argv)
     if args.launch_host is not None:
@@ -224,7 +233,10 @@ def main(argv=None, out=sys.stdout):
     print("# load average at end: " + ", ".join(f"{x:.2f}" for x in load["end"]), file=out)
     print("# time: per call, the slowest rank's, median over iterations; ratio: ringreduce / "
           "gloo; speedup: gloo / ringreduce", file=out)
-    cols = [common.Column("time", "(us)", 11, ".1f"), common.Column("#wrong", "", 6, "d")]
+    print("# cpu: per call, the CPU time of every rank's process (all its threads) added up, "
+          "median over iterations", file=out)
+    cols = [common.Column("time", "(us)", 11, ".1f"), common.Column("cpu", "(us)", 11, ".1f"),
+            common.Column("#wrong", "", 6, "d")]
     table = common.Table([common.Column("size", "(B)", 11, "d"),
                           common.Column("iters", "", 6, "d")],
                          [(b, cols) for b in BACKENDS] +
@@ -237,12 +249,14 @@ def main(argv=None, out=sys.stdout):
         row = {"size": r0["size"], "iters": r0["iters"]}
         for b in BACKENDS:
             row[b] = {"time_us": slowest_median([rk["sweep"][i]["times"][b] for rk in everyone]),
+                      "cpu_us": total_median([rk["sweep"][i]["cpu"][b] for rk in everyone]),
                       "wrong": sum(rk["sweep"][i]["wrong"][b] for rk in everyone)}
             bad = bad or row[b]["wrong"] > 0
         row["ratio"] = row["ringreduce"]["time_us"] / row["gloo"]["time_us"]
         rows.append(row)
         print(table.row([row["size"], row["iters"]],
-                        [[row[b]["time_us"], row[b]["wrong"]] for b in BACKENDS] +
+                        [[row[b]["time_us"], row[b]["cpu_us"], row[b]["wrong"]]
+                         for b in BACKENDS] +
                         [[row["ratio"], 1.0 / row["ratio"]]]), file=out)
     if args.json:
         common.write_json(args.json, {"host": info, "config": {

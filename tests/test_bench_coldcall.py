@@ -2,6 +2,7 @@
 simulated hosts against gloo) on tiny sweeps: their tables, #wrong and exit codes. Speed is never
 asserted here. Every run is bounded by a subprocess timeout."""
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -88,8 +89,12 @@ def test_multihost_tiny_sweep(tmp_path):
     assert "hosts found by ringreduce: [[0, 1], [2, 3]] (hostnames ['hosta', 'hostb'])" in text
     table = rows(text)
     assert [r[0] for r in table] == ["8", "307200"], text
-    assert all(r[3] == "0" and r[5] == "0" for r in table), text
+    assert all(r[4] == "0" and r[7] == "0" for r in table), text
     data = json.loads(out.read_text())
     for row in data["rows"]:
         assert row["ratio"] == pytest.approx(row["ringreduce"]["time_us"] /
                                              row["gloo"]["time_us"])
+        # Four processes' CPU time: positive, and at most cores x time plus the slack of medians
+        # taken over different iterations.
+        for b in ("ringreduce", "gloo"):
+            assert 0 < row[b]["cpu_us"] < 4 * (os.cpu_count() or 1) * row[b]["time_us"], row

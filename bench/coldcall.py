@@ -36,7 +36,6 @@ import datetime
 import itertools
 import mmap
 import os
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -202,19 +201,14 @@ def _rank_body(rank, world, store, barrier_path, args):
     return everyone if rank == 0 else None
 
 
-def slowest_median(per_rank):
-    """Per iteration the slowest rank's time, then the median over iterations (us)."""
-    return statistics.median(max(col) for col in zip(*per_rank)) * 1e6
-
-
 def summarise(everyone, configs):
     rows = []
     for i, r0 in enumerate(everyone[0]):
         row = {"size": r0["size"], "count": r0["count"], "iters": r0["iters"]}
         for c in configs:
             row[c] = {
-                "cold_us": slowest_median([rk[i]["cold"][c] for rk in everyone]),
-                "b2b_us": slowest_median([rk[i]["b2b"][c] for rk in everyone]),
+                "cold_us": common.per_call_median([rk[i]["cold"][c] for rk in everyone]),
+                "b2b_us": common.per_call_median([rk[i]["b2b"][c] for rk in everyone]),
                 "wrong": (None if r0["wrong"][c] is None else
                           sum(rk[i]["wrong"][c] for rk in everyone)),
             }

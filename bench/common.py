@@ -146,6 +146,12 @@ def median(values: Iterable[float]) -> float:
     return statistics.median(list(values))
 
 
+def per_call_median(per_rank: Sequence[Sequence[float]], across: Callable = max) -> float:
+    """Per iteration `across` the ranks' seconds (max: the slowest rank's; sum: all ranks'
+    together), then the median over iterations, in us."""
+    return statistics.median(across(col) for col in zip(*per_rank)) * 1e6
+
+
 def cuda_copy_bandwidth(device: int, nbytes: int = GiB, iters: int = 20, warmup: int = 5) -> float:
     """Device-to-device copy bandwidth in bytes/s counting bytes read plus bytes written
     (2 * nbytes per copy_), median over `iters` copies of nbytes between two buffers."""

@@ -17,10 +17,9 @@ its own (back-to-back calls, no barrier), an iteration's time is its slowest ran
 table gives the median over iterations, the ratio ringreduce / gloo (below 1: ringreduce is
 faster) and gloo's time over ringreduce's (speedup). Beside each time, the CPU time the call
 took in all the ranks' processes together (every thread: gloo's too), median over iterations:
-where it nears cores x time the ranks share saturated cores, and the time ratio can only
-follow the CPU ratio. Buffers are integer-valued float32; the
-first call of each size is checked exactly (#wrong). Exits 1 if a result is wrong, 2 if a rank
-fails.
+where it nears cores x time the ranks share saturated cores, and the time ratio can only follow
+the CPU ratio. Buffers are integer-valued float32; the first call of each size is checked
+exactly (#wrong). Exits 1 if a result is wrong, 2 if a rank fails.
 """
 from __future__ import annotations
 
@@ -30,7 +29,6 @@ import json
 import os
 import shutil
 import socket
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -195,14 +193,6 @@ def run_hosts(args):
             return json.load(f), None
 
 
-def slowest_median(per_rank):
-    return statistics.median(max(col) for col in zip(*per_rank)) * 1e6
-
-
-def total_median(per_rank):
-    return statistics.median(sum(col) for col in zip(*per_rank)) * 1e6
-
-
 def main(argv=None, out=sys.stdout):
     args = parse_args(sys.argv[1:] if argv is None else argv)
     if args.launch_host is not None:
@@ -248,9 +238,10 @@ def main(argv=None, out=sys.stdout):
     for i, r0 in enumerate(everyone[0]["sweep"]):
         row = {"size": r0["size"], "iters": r0["iters"]}
         for b in BACKENDS:
-            row[b] = {"time_us": slowest_median([rk["sweep"][i]["times"][b] for rk in everyone]),
-                      "cpu_us": total_median([rk["sweep"][i]["cpu"][b] for rk in everyone]),
-                      "wrong": sum(rk["sweep"][i]["wrong"][b] for rk in everyone)}
+            sweeps = [rk["sweep"][i] for rk in everyone]
+            row[b] = {"time_us": common.per_call_median([sw["times"][b] for sw in sweeps], max),
+                      "cpu_us": common.per_call_median([sw["cpu"][b] for sw in sweeps], sum),
+                      "wrong": sum(sw["wrong"][b] for sw in sweeps)}
             bad = bad or row[b]["wrong"] > 0
         row["ratio"] = row["ringreduce"]["time_us"] / row["gloo"]["time_us"]
         rows.append(row)

@@ -41,23 +41,34 @@ inline bool op_from_name(const std::string& name, Op* out) {
   return false;
 }
 
-// The tensor's dtype, or a TypeError prefixed with `fn` naming the argument `arg`.
-inline DType dtype_of(const at::Tensor& t, const std::string& fn, const std::string& arg) {
+// The tensor's dtype, or a TypeError naming the argument `arg`, prefixed with the pieces of
+// `fn` (the message is only built when it is raised: a collective checks on every call).
+template <typename... Fn>
+inline DType dtype_in(const at::Tensor& t, const char* arg, const Fn&... fn) {
   DType dtype;
-  TORCH_CHECK_TYPE(from_torch(t.scalar_type(), &dtype), fn, ": dtype ", t.scalar_type(), " of ",
-                   arg, " is not supported (supported: ", kSupportedDtypes, ")");
+  TORCH_CHECK_TYPE(from_torch(t.scalar_type(), &dtype), fn..., ": dtype ", t.scalar_type(),
+                   " of ", arg, " is not supported (supported: ", kSupportedDtypes, ")");
   return dtype;
 }
 
+inline DType dtype_of(const at::Tensor& t, const std::string& fn, const std::string& arg) {
+  return dtype_in(t, arg.c_str(), fn);
+}
+
 // The operator named `name` if it is defined on `dtype` (types.h: op_supported); otherwise a
-// ValueError (unknown name) or TypeError (wrong dtype) prefixed with `fn`.
-inline Op op_for(const std::string& name, DType dtype, const std::string& fn) {
+// ValueError (unknown name) or TypeError (wrong dtype) prefixed with the pieces of `fn`.
+template <typename... Fn>
+inline Op op_in(const std::string& name, DType dtype, const Fn&... fn) {
   Op op;
-  TORCH_CHECK_VALUE(op_from_name(name, &op), fn, ": op must be one of ", kOpNames, "; got '",
+  TORCH_CHECK_VALUE(op_from_name(name, &op), fn..., ": op must be one of ", kOpNames, "; got '",
                     name, "'");
-  TORCH_CHECK_TYPE(op_supported(op, dtype), fn, ": op '", name, "' ", op_requirement(op),
+  TORCH_CHECK_TYPE(op_supported(op, dtype), fn..., ": op '", name, "' ", op_requirement(op),
                    "; got ", dtype_name(dtype));
   return op;
+}
+
+inline Op op_for(const std::string& name, DType dtype, const std::string& fn) {
+  return op_in(name, dtype, fn);
 }
 
 }  // namespace rr

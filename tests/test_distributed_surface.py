@@ -498,6 +498,10 @@ def _bad_arguments(rank, world, store):
         "all_to_all list length": lambda: dist.all_to_all([poisoned], [x, x]),
         "all_to_all dtype": lambda: pg.alltoall(
             [poisoned, poisoned], [x, x.double()], dist.AllToAllOptions()),
+        "all_reduce dtype": lambda: dist.all_reduce(torch.ones(3, dtype=torch.int16)),
+        "all_reduce op on the dtype": lambda: dist.all_reduce(x, op=dist.ReduceOp.BAND),
+        "reduce_scatter_tensor dtype": lambda: dist.reduce_scatter_tensor(
+            torch.zeros(2, dtype=torch.int16), torch.ones(2 * world, dtype=torch.int16)),
     }
     if rank == 0:  # errors of the root's arguments: the other rank makes no call
         cases.update({
@@ -542,6 +546,14 @@ def test_bad_arguments_raise_before_anything_is_touched(tmp_path):
         "all_to_all_single dtype": ("ValueError", "output", "torch.float32", "torch.int64"),
         "all_to_all list length": ("ValueError", "output_tensor_list", "one tensor per rank"),
         "all_to_all dtype": ("ValueError", "input_tensor_list[1]", "torch.float64"),
+        # The reductions' messages are built only when they are raised (torch_types.h): the
+        # whole prefix, the dtype and the argument must still be there.
+        "all_reduce dtype": ("TypeError", "ringreduce all_reduce: dtype Short of tensor is not "
+                             "supported (supported: float32,"),
+        "all_reduce op on the dtype": ("TypeError", "ringreduce all_reduce: op 'band' ",
+                                       "; got float32"),
+        "reduce_scatter_tensor dtype": ("TypeError", "ringreduce reduce_scatter_tensor: dtype "
+                                        "Short of input is not supported"),
     }
     root_only = {  # raised on the root (rank 0) only: elsewhere the call is fine
         "gather list length": ("ValueError", "gather_list", "one tensor per rank (2); got 3"),

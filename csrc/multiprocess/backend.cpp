@@ -662,6 +662,11 @@ class RingReduceBackend final : public c10d::Backend {
                            tensors.size() == 1 ? arg : arg + "[" + std::to_string(i) + "]");
     }
   }
+  // One tensor (check(name, {t}, ...)): no list built on every call.
+  void check(const char* name, const at::Tensor& t, const std::string& op,
+             const std::string& arg) const {
+    g_->transport->check(t, op, name, arg);
+  }
 
   static std::string op_name(const c10d::ReduceOp& op, const char* name) {
     switch (op.op_) {
@@ -934,8 +939,8 @@ class RingReduceBackend final : public c10d::Backend {
   // shows as its input shapes.
   c10::intrusive_ptr<c10d::Work> submit(const char* name, OpType type, std::function<void()> run,
                                         const std::vector<at::Tensor>& outputs,
-                                        const std::vector<at::Tensor>& tensors,
-                                        const std::vector<at::Tensor>& inputs, bool async_op,
+                                        c10::ArrayRef<at::Tensor> tensors,
+                                        c10::ArrayRef<at::Tensor> inputs, bool async_op,
                                         c10::optional<at::Device> device = c10::nullopt,
                                         bool drain_gpu = false) {
     for (const at::Tensor& t : tensors) {
@@ -957,7 +962,9 @@ class RingReduceBackend final : public c10d::Backend {
 #endif
     const uint64_t seq = seq_collective_.fetch_add(1) + 1;
     auto work = c10::make_intrusive<RRWork>(g_, name, type, outputs, device, inputs);
-    if (g_->fr) work->set_trace(g_->fr->collective(*this, name, seq, inputs, outputs, timeout()));
+    if (g_->fr) {
+      work->set_trace(g_->fr->collective(*this, name, seq, inputs.vec(), outputs, timeout()));
+    }
     batch_.note(work);
     auto job = std::make_shared<Job>();
     job->work = work;
@@ -1040,7 +1047,7 @@ class RingReduceBackend final : public c10d::Backend {
     if (t.is_cuda()) device = t.device();
     auto work = c10::make_intrusive<RRWork>(g_, name, is_send ? OpType::SEND : OpType::RECV,
                                             std::vector<at::Tensor>{t}, device,
-                                            std::vector<at::Tensor>{t});
+                                            c10::ArrayRef<at::Tensor>(t));
     trace_p2p(*work, is_send, any_source ? -1 : peer, t);
     batch_.note(work);
     auto job = std::make_shared<P2PJob>();
@@ -1099,7 +1106,7 @@ class RingReduceBackend final : public c10d::Backend {
     }
     auto work = c10::make_intrusive<RRWork>(g_, name, is_send ? OpType::SEND : OpType::RECV,
                                             std::vector<at::Tensor>{t}, device,
-                                            std::vector<at::Tensor>{t});
+                                            c10::ArrayRef<at::Tensor>(t));
     trace_p2p(*work, is_send, peer == kAnySource ? -1 : peer, t);
     std::shared_ptr<XhostTransport> xt = std::dynamic_pointer_cast<XhostTransport>(g_->transport);
     TORCH_INTERNAL_ASSERT(xt, "ringreduce ", name, ": a transport that is neither one host's "

@@ -39,11 +39,11 @@ namespace comm_detail {
 
 
 inline rr::DType to_dtype(const at::Tensor& t, const char* fn, const char* arg) {
-  return rr::dtype_of(t, std::string("ringreduce ") + fn, arg);
+  return rr::dtype_in(t, arg, "ringreduce ", fn);
 }
 
 inline rr::Op to_op(const std::string& op, rr::DType dtype, const char* fn) {
-  return rr::op_for(op, dtype, std::string("ringreduce ") + fn);
+  return rr::op_in(op, dtype, "ringreduce ", fn);
 }
 
 inline void check_dense(const at::Tensor& t, const char* fn, const char* arg) {

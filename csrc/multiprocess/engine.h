@@ -74,7 +74,7 @@ class RRWork final : public c10d::Work {
   // `inputs`: what the profiler shows as the call's input shapes.
   RRWork(std::shared_ptr<Group> group, std::string name, OpType type,
          std::vector<at::Tensor> outputs, c10::optional<at::Device> device,
-         const std::vector<at::Tensor>& inputs)
+         c10::ArrayRef<at::Tensor> inputs)
       : c10d::Work(group->rank, type),
         group_(std::move(group)),
         name_(std::move(name)),
@@ -132,7 +132,7 @@ class RRWork final : public c10d::Work {
   // the call (this thread) to the collective's end (finish(), any thread), as ProcessGroupGloo
   // records "gloo:<name>". Checking for callbacks first keeps the unprofiled call free of the
   // RecordFunction.
-  void profile_start(const std::vector<at::Tensor>& inputs) {
+  void profile_start(c10::ArrayRef<at::Tensor> inputs) {
     c10::optional<at::StepCallbacks> callbacks =
         at::getStepCallbacksUnlessEmpty(at::RecordScope::USER_SCOPE);
     if (!callbacks) return;

@@ -439,7 +439,7 @@ std::string HostGroup::where_is(int peer) const {
 }
 
 void HostGroup::raise_peer_problem(int peer, uint64_t target, const Ctx& ctx,
-                                   const std::string& what, Problem problem) const {
+                                   const char* what, Problem problem) const {
   const Header* h = headers_[size_t(peer)];
   std::ostringstream s;
   s << "ringreduce: " << describe(ctx);
@@ -476,7 +476,7 @@ void HostGroup::raise_peer_problem(int peer, uint64_t target, const Ctx& ctx,
   throw CommError(s.str());
 }
 
-void HostGroup::wait(int peer, uint64_t target, const Ctx& ctx, const std::string& what) const {
+void HostGroup::wait(int peer, uint64_t target, const Ctx& ctx, const char* what) const {
   Header* h = headers_[size_t(peer)];
   if (h->progress.load(std::memory_order_acquire) >= target) return;
   // Spin, then yield, then sleep. Every 64 pauses the spin reads the clock and yields: when
@@ -538,7 +538,7 @@ void HostGroup::wait(int peer, uint64_t target, const Ctx& ctx, const std::strin
 }
 
 void HostGroup::check_not_failed(int peer, uint64_t target, const Ctx& ctx,
-                                 const std::string& what) const {
+                                 const char* what) const {
   const Header* h = headers_[size_t(peer)];
   // A peer that published more than `target` finished this phase before it failed.
   // The abort (a release store of `state`) comes after the peer's small_finished in its program
@@ -553,7 +553,7 @@ void HostGroup::small_finished(const Ctx& ctx) {
   headers_[size_t(rank_)]->small_done.store(ctx.seq, std::memory_order_release);
 }
 
-void HostGroup::wait_all(uint64_t target, const Ctx& ctx, const std::string& what) const {
+void HostGroup::wait_all(uint64_t target, const Ctx& ctx, const char* what) const {
   for (int i = 1; i < nranks_; ++i) wait((rank_ + i) % nranks_, target, ctx, what);
 }
 

@@ -215,18 +215,25 @@ class HostGroup {
   void end_phase(uint64_t n) { base_ += n; }
 
   void publish(uint64_t value);
-  // Waits until rank `peer` has published `target`. `what` describes the step for messages.
-  void wait(int peer, uint64_t target, const Ctx& ctx, const std::string& what) const;
+  // Waits until rank `peer` has published `target`. `what` describes the step for messages
+  // (read only when one is raised: a literal costs nothing on the way).
+  void wait(int peer, uint64_t target, const Ctx& ctx, const char* what) const;
+  void wait(int peer, uint64_t target, const Ctx& ctx, const std::string& what) const {
+    wait(peer, target, ctx, what.c_str());
+  }
   // Throws like wait() if rank `peer` failed (is aborted) inside this collective: without getting
   // past `target` and without having finished it (small_done). For a phase whose last need of a
   // peer is its publish of `target` (the one-round all-reduce): a peer aborted while still in it
   // must fail this collective, as a wait for it would; one aborted after finishing it must not.
-  void check_not_failed(int peer, uint64_t target, const Ctx& ctx, const std::string& what) const;
+  void check_not_failed(int peer, uint64_t target, const Ctx& ctx, const char* what) const;
   // Records that this rank finished the one-round all-reduce `ctx` (before it returns, so before
   // any later abort of this rank).
   void small_finished(const Ctx& ctx);
   // Waits until every rank has published `target` (skipping this one).
-  void wait_all(uint64_t target, const Ctx& ctx, const std::string& what) const;
+  void wait_all(uint64_t target, const Ctx& ctx, const char* what) const;
+  void wait_all(uint64_t target, const Ctx& ctx, const std::string& what) const {
+    wait_all(target, ctx, what.c_str());
+  }
 
   // Writes this rank's descriptor for the phase about to be published.
   void set_desc(const Desc& d);
@@ -256,7 +263,7 @@ class HostGroup {
  private:
   enum class Problem { Timeout, Exited, Aborted, Closed };
   [[noreturn]] void raise_peer_problem(int peer, uint64_t target, const Ctx& ctx,
-                                       const std::string& what, Problem problem) const;
+                                       const char* what, Problem problem) const;
   std::string where_is(int peer) const;  // "is at step 2 of this phase" etc.
   void compare_descs(const Desc& mine, const Desc& theirs, int peer, const Ctx& ctx) const;
   std::string setting_mismatch(int peer, int64_t capacity, int64_t small_bytes) const;

@@ -655,17 +655,16 @@ class RingReduceBackend final : public c10d::Backend {
     return out;
   }
 
-  void check(const char* name, const std::vector<at::Tensor>& tensors, const std::string& op,
-             const std::string& arg) const {
-    for (size_t i = 0; i < tensors.size(); ++i) {
-      g_->transport->check(tensors[i], op, name,
-                           tensors.size() == 1 ? arg : arg + "[" + std::to_string(i) + "]");
-    }
-  }
-  // One tensor (check(name, {t}, ...)): no list built on every call.
+  // One tensor (check(name, {t}, ...) lands here: no list built on every call).
   void check(const char* name, const at::Tensor& t, const std::string& op,
              const std::string& arg) const {
     g_->transport->check(t, op, name, arg);
+  }
+  void check(const char* name, const std::vector<at::Tensor>& tensors, const std::string& op,
+             const std::string& arg) const {
+    for (size_t i = 0; i < tensors.size(); ++i) {
+      check(name, tensors[i], op, tensors.size() == 1 ? arg : arg + "[" + std::to_string(i) + "]");
+    }
   }
 
   static std::string op_name(const c10d::ReduceOp& op, const char* name) {
@@ -962,9 +961,7 @@ class RingReduceBackend final : public c10d::Backend {
 #endif
     const uint64_t seq = seq_collective_.fetch_add(1) + 1;
     auto work = c10::make_intrusive<RRWork>(g_, name, type, outputs, device, inputs);
-    if (g_->fr) {
-      work->set_trace(g_->fr->collective(*this, name, seq, inputs.vec(), outputs, timeout()));
-    }
+    if (g_->fr) work->set_trace(g_->fr->collective(*this, name, seq, inputs, outputs, timeout()));
     batch_.note(work);
     auto job = std::make_shared<Job>();
     job->work = work;

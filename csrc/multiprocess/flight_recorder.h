@@ -258,7 +258,7 @@ struct FrShapes {
     sizes.insert(sizes.end(), shape.begin(), shape.end());
     dtypes.push_back(dtype);
   }
-  void add_each(const std::vector<at::Tensor>& ts) {
+  void add_each(c10::ArrayRef<at::Tensor> ts) {
     for (const at::Tensor& t : ts) add(t.sizes(), t.scalar_type());
   }
   // Per-rank blocks of one shape as one [blocks, ...] tensor, as gloo and NCCL record them.
@@ -288,8 +288,8 @@ inline const char* fr_op_name(const std::string& name) {
 // Inputs and outputs as the entry of collective `name` shows them, from what the backend passes
 // its queue (`inputs`: what the profiler shows; `outputs`: the Work's result).
 inline std::pair<FrShapes, FrShapes> fr_shapes(const std::string& name,
-                                               const std::vector<at::Tensor>& inputs,
-                                               const std::vector<at::Tensor>& outputs, int world) {
+                                               c10::ArrayRef<at::Tensor> inputs,
+                                               c10::ArrayRef<at::Tensor> outputs, int world) {
   FrShapes in, out;
   if ((name == "reduce_scatter" || name == "scatter") && !inputs.empty()) {
     in.add_stacked(int64_t(inputs.size()), inputs[0]);
@@ -349,8 +349,8 @@ class GroupRecorder {
 
   // A collective (`seq`: its collective sequence number, from 1).
   FrTrace collective(const c10d::Backend& b, const std::string& name, uint64_t seq,
-                     const std::vector<at::Tensor>& inputs,
-                     const std::vector<at::Tensor>& outputs, std::chrono::milliseconds timeout) {
+                     c10::ArrayRef<at::Tensor> inputs, c10::ArrayRef<at::Tensor> outputs,
+                     std::chrono::milliseconds timeout) {
     const char* fr_name = fr_op_name(name);
     auto [in, out] = fr_shapes(name, inputs, outputs, int(ranks_.size()));
     return record(b, "ringreduce:" + std::string(fr_name ? fr_name : name.c_str()), seq, in, out,

@@ -11,6 +11,7 @@ import os
 import re
 import signal
 import socket
+import struct
 import subprocess
 import sys
 import threading
@@ -124,10 +125,25 @@ class _CountingGloo(dist.ProcessGroupGloo):
 
 
 def _written():
-    """Bytes this process has passed to write-type system calls (the kernel's count,
-    /proc/self/io wchar): gloo's TCP pairs write with writev; shared memory writes none."""
-    with open("/proc/self/io") as f:
-        return next(int(line.split()[1]) for line in f if line.startswith("wchar:"))
+    """Bytes this process's TCP sockets have sent (the kernel's count: tcp_info's
+    tcpi_bytes_sent, summed over every TCP socket open in the process: gloo's pairs and the
+    store's, whatever system call wrote them; no file or pipe write counts). Shared memory sends
+    none."""
+    total = 0
+    for name in os.listdir("/proc/self/fd"):
+        try:
+            if not os.readlink(f"/proc/self/fd/{name}").startswith("socket:"):
+                continue
+            s = socket.socket(fileno=os.dup(int(name)))
+        except OSError:
+            continue  # closed meanwhile, or not an inet socket
+        with s:
+            if s.family not in (socket.AF_INET, socket.AF_INET6) or s.type != socket.SOCK_STREAM:
+                continue
+            info = s.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 256)
+            assert len(info) >= 208, "tcp_info has no tcpi_bytes_sent (Linux < 4.19)"
+            total += struct.unpack_from("Q", info, 200)[0]  # tcpi_bytes_sent
+    return total
 
 
 # ---------------------------------------------------------------------------------------
@@ -151,6 +167,15 @@ def _two_hosts(rank, world, store, hosts):
     out["problems"], out["digest"] = _all_reduce_sweep(rank, world, hosts, ALL_DTYPES, SIZES, 0,
                                                        large)
     problems = out["problems"]
+    # max and min keep host 0's operand where the two compare equal: +0.0 (host a) against
+    # -0.0 (host b) gives +0.0 on every rank, through the leaders (1,000) and the shards (600,000).
+    for count in (1000, 600000):
+        for op in (dist.ReduceOp.MAX, dist.ReduceOp.MIN):
+            t = torch.full((count,), 0.0 if rank < 2 else -0.0)
+            dist.all_reduce(t, op=op)
+            if torch.signbit(t).any() or not torch.equal(t, torch.zeros(count)):
+                problems.append(f"{op} of +0.0 (host a) and -0.0 (host b), n={count}: "
+                                f"{int(torch.signbit(t).sum())} results are not host a's +0.0")
     paths = {}
     for name, limit in (("shards", "0"), ("leaders", str(1 << 40))):
         os.environ["RINGREDUCE_XHOST_LEADER_BYTES"] = limit  # read when the group is made

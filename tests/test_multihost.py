@@ -134,9 +134,14 @@ def _written():
         try:
             if not os.readlink(f"/proc/self/fd/{name}").startswith("socket:"):
                 continue
-            s = socket.socket(fileno=os.dup(int(name)))
+            fd = os.dup(int(name))
         except OSError:
-            continue  # closed meanwhile, or not an inet socket
+            continue  # closed meanwhile
+        try:
+            s = socket.socket(fileno=fd)
+        except OSError:
+            os.close(fd)  # a socket Python cannot wrap: not one of TCP's
+            continue
         with s:
             if s.family not in (socket.AF_INET, socket.AF_INET6) or s.type != socket.SOCK_STREAM:
                 continue

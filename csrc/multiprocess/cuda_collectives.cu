@@ -35,6 +35,11 @@ constexpr std::chrono::seconds kTeardownLimit{10};
 // Once a peer has exited or failed, this rank's queued GPU work may wait for an event of the
 // peer's that never completes: teardown then gives that work this long before leaking.
 constexpr std::chrono::seconds kGoneGrace{1};
+// How long teardown waits for an aborted peer to release this rank's staging area and events
+// before leaking them: longer than kGoneGrace plus the peer's closing calls, so that a peer
+// whose own work was stuck for kGoneGrace and then finished still closes its mappings before
+// this process can exit and free what they map.
+constexpr std::chrono::seconds kAbortedPeerGrace{3};
 
 // One device-to-device copy of `bytes` bytes (skipped when empty).
 struct Copy {
@@ -332,17 +337,20 @@ class Peers {
   // leaks what it guards until process exit: (a) queued work may still use any of it (it may
   // wait forever for a dead peer's event); (c) a peer that has not released this rank's
   // staging area may still have it mapped (exported memory must outlive every importer's
-  // mapping), and a peer that is gone without releasing never will.
+  // mapping), and a peer that is gone without releasing never will. In (b), the imports of a
+  // peer whose process has exited are left alone: its exit freed the memory and events they
+  // refer to, and closing or destroying an import after its exporter freed it is undefined
+  // behaviour in CUDA (the driver's mappings go when this process exits).
   void teardown() {
     const Clock::time_point deadline = Clock::now() + std::min<Clock::duration>(
         g_.timeout(), std::chrono::duration_cast<Clock::duration>(kTeardownLimit));
     if (!wait_own_work(deadline)) return;
     const int rank = g_.rank();
-    for (size_t r = 0; r < staging_.size(); ++r) {
-      if (int(r) != rank && staging_[r] != nullptr) cudaIpcCloseMemHandle(staging_[r]);
+    for (size_t r = 0; r < peer_events_.size(); ++r) {
+      if (int(r) == rank || g_.peer_dead(int(r))) continue;
+      if (r < staging_.size() && staging_[r] != nullptr) cudaIpcCloseMemHandle(staging_[r]);
+      for (cudaEvent_t e : peer_events_[r]) cudaEventDestroy(e);
     }
-    for (auto& per_peer : peer_events_)
-      for (cudaEvent_t e : per_peer) cudaEventDestroy(e);
     peer_events_.clear();
     for (const Done& d : done_) cudaEventDestroy(d.event);
     done_.clear();
@@ -351,7 +359,7 @@ class Peers {
     if (copy_stream_ != nullptr) cudaStreamDestroy(copy_stream_);
     copy_stream_ = nullptr;
     cudaGetLastError();
-    if (!g_.release_cuda_and_wait(deadline)) return;
+    if (!g_.release_cuda_and_wait(deadline, kAbortedPeerGrace)) return;
     for (cudaEvent_t e : own_) cudaEventDestroy(e);
     own_.clear();
     if (rank < int(staging_.size()) && staging_[size_t(rank)] != nullptr)

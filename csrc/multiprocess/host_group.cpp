@@ -622,13 +622,16 @@ bool HostGroup::peer_gone(int peer) const {
          peer_dead(peer);
 }
 
-bool HostGroup::release_cuda_and_wait(Clock::time_point deadline) const {
+bool HostGroup::release_cuda_and_wait(Clock::time_point deadline,
+                                      Clock::duration aborted_grace) const {
   if (closed()) return false;
   headers_[size_t(rank_)]->cuda_released.store(1, std::memory_order_seq_cst);
   for (int r = 0; r < nranks_; ++r) {
     if (r == rank_) continue;
     const Header* h = headers_[size_t(r)];
     auto next_liveness_check = Clock::now();
+    Clock::time_point give_up = deadline;
+    bool aborted_seen = false;
     while (h->cuda_released.load(std::memory_order_acquire) == 0) {
       const auto t = Clock::now();
       if (t >= next_liveness_check) {
@@ -636,12 +639,23 @@ bool HostGroup::release_cuda_and_wait(Clock::time_point deadline) const {
         next_liveness_check = t + std::chrono::milliseconds(100);
       }
       // A peer announces its release before it closes its group (release, then acquire: the
-      // announcement is visible once the state is).
-      if (h->state.load(std::memory_order_acquire) != kLive) {
-        if (h->cuda_released.load(std::memory_order_acquire) == 0 && !peer_dead(r)) return false;
-        break;
+      // announcement is visible once the state is). A closed peer without it never will. An
+      // aborted one is still tearing down, or never will (its own GPU work stuck on a dead
+      // rank, or no teardown at all): it gets `aborted_grace`. Giving up at once would let
+      // this process exit, freeing what the peer has mapped, while the peer may be about to
+      // close its mappings: undefined behaviour in CUDA, on the peer's side.
+      const uint32_t state = h->state.load(std::memory_order_acquire);
+      if (state != kLive && h->cuda_released.load(std::memory_order_acquire) == 0) {
+        if (state != kAborted) {
+          if (!peer_dead(r)) return false;
+          break;
+        }
+        if (!aborted_seen) {
+          aborted_seen = true;
+          give_up = std::min(deadline, t + aborted_grace);
+        }
       }
-      if (t >= deadline) return false;
+      if (t >= give_up) return false;
       std::this_thread::sleep_for(std::chrono::milliseconds(1));
     }
   }

@@ -251,9 +251,11 @@ class HostGroup {
   // Teardown of the CUDA path: announces that this rank has released every peer's IPC events
   // and memory, then waits (at most until `deadline`) until every peer has announced the same
   // or has exited. True when all have: this rank's exported events and staging area are then
-  // no longer used by anyone and may be freed. A peer whose group is closed or aborted without
-  // that announcement is not waited for (it may never make it) and makes the answer false.
-  bool release_cuda_and_wait(std::chrono::steady_clock::time_point deadline) const;
+  // no longer used by anyone and may be freed. A peer whose group is closed without that
+  // announcement is not waited for (it never will make it) and makes the answer false; one
+  // whose group is aborted is waited for at most `aborted_grace` (it may be tearing down).
+  bool release_cuda_and_wait(std::chrono::steady_clock::time_point deadline,
+                             std::chrono::steady_clock::duration aborted_grace) const;
   // True when rank `peer` has exited, or its group is no longer live (aborted or closed).
   bool peer_gone(int peer) const;
   // The lowest peer whose group failed (its header aborted), with its message; false when none

@@ -2,8 +2,12 @@
 // csrc/ring/cuda_kernels.h that the multi-process collectives call.
 #include <cuda_runtime.h>
 #include <fcntl.h>
+#include <signal.h>
 #include <sys/mman.h>
 #include <unistd.h>
+
+#include <cerrno>
+#include <fstream>
 
 #include <atomic>
 #include <chrono>
@@ -61,7 +65,7 @@ thread_local int t_current = 0;
 struct Region {
   size_t bytes;
   int device;        // the device whose memory it is
-  std::string name;  // shared-memory name of a cudaMalloc, empty for an opened mapping
+  std::string name;  // shared-memory name of the cudaMalloc (its exporter's, when opened)
 };
 
 std::atomic<int> g_names{0};
@@ -94,6 +98,61 @@ bool accessible(int device, int memory) {
 std::string fresh_name(const char* kind) {
   return std::string("/fkcuda-") + std::to_string(getpid()) + "-" + kind + "-" +
          std::to_string(g_names++);
+}
+
+// Strict IPC lifetimes. In CUDA, using an imported allocation or event after its exporter freed
+// it (cudaFree, cudaEventDestroy) or exited is undefined behaviour: closing the mapping, waiting
+// on, querying, recording or destroying the event. Here the "device" objects live in shared
+// memory that outlives the exporter, so such a use would go unseen; instead each use of an
+// import first checks its exporter, and a violation ends the process loudly (SIGABRT, with the
+// call and the exporter named on stderr), as a crash on a GPU would:
+// - any use after the exporter freed the object (the protocol's order is wrong);
+// - closing or destroying an import after the exporter exited (teardown has all the time it
+//   needs to see that a peer is gone, and must then leave its imports alone).
+// A stream wait or query on an exited exporter's event is not flagged: a peer may exit between
+// the host handshake that shows its event recorded and this rank's call, and no check on the
+// host can close that window (the protocol narrows it to the gap between two calls).
+
+// The pid in a name made by fresh_name ("/fkcuda-<pid>-<kind>-<n>"), or -1.
+pid_t exporter_of(const std::string& name) {
+  int pid = -1;
+  return std::sscanf(name.c_str(), "/fkcuda-%d-", &pid) == 1 ? pid_t(pid) : -1;
+}
+
+// True when `pid` has exited (a zombie not yet reaped counts as exited: its memory is gone).
+bool exited(pid_t pid) {
+  if (pid <= 0) return false;
+  if (kill(pid, 0) != 0 && errno == ESRCH) return true;
+  std::ifstream stat("/proc/" + std::to_string(pid) + "/stat");
+  std::string line;
+  if (!std::getline(stat, line)) return true;
+  const size_t paren = line.rfind(')');
+  if (paren == std::string::npos || paren + 2 >= line.size()) return false;
+  return line[paren + 2] == 'Z' || line[paren + 2] == 'X';
+}
+
+[[noreturn]] void ipc_violation(const char* call, const std::string& name, const char* why) {
+  std::fprintf(stderr, "fake CUDA: %s on an IPC import (%s) whose exporter (pid %d) %s: "
+               "undefined behaviour in CUDA\n", call, name.c_str(), int(exporter_of(name)), why);
+  std::fflush(stderr);
+  std::abort();
+}
+
+// Ends the process if the exporter of the shared-memory object `name` has released it (`freed`)
+// or, for a call that ends the import (`ending`), has exited.
+void check_import(const char* call, const std::string& name, bool freed, bool ending) {
+  if (freed) ipc_violation(call, name, "has freed it");
+  if (ending && exited(exporter_of(name))) ipc_violation(call, name, "has exited");
+}
+
+// True once the exporter has freed the allocation (cudaFree unlinks its name).
+bool unlinked(const std::string& name) {
+  const int fd = shm_open(name.c_str(), O_RDONLY, 0);
+  if (fd >= 0) {
+    close(fd);
+    return false;
+  }
+  return errno == ENOENT;
 }
 
 void* map_shm(const std::string& name, size_t bytes, bool create) {
@@ -163,6 +222,7 @@ namespace {
 constexpr uint64_t kGenerations = 1024;
 struct EventState {
   int device;  // the device it was created on (in shared memory: IPC events carry it)
+  std::atomic<int> destroyed;  // set by the exporter's cudaEventDestroy
   std::atomic<uint64_t> recorded;
   std::atomic<uint64_t> done[kGenerations];
   bool complete(uint64_t g) const { return g == 0 || done[g % kGenerations].load() >= g; }
@@ -187,6 +247,13 @@ struct FakeEvent {
   std::string name;  // shared-memory name of an interprocess event, else empty
   bool owner;
 };
+
+namespace {
+// Every API call on an event imported from another process checks its exporter first.
+void check_event(const char* call, cudaEvent_t e, bool ending = false) {
+  if (!e->owner) check_import(call, e->name, e->state->destroyed.load() != 0, ending);
+}
+}  // namespace
 
 cudaError_t cudaGetLastError() { return cudaSuccess; }
 const char* cudaGetErrorName(cudaError_t err) {
@@ -283,13 +350,14 @@ cudaError_t cudaIpcOpenMemHandle(void** ptr, cudaIpcMemHandle_t handle, unsigned
   if (*ptr == nullptr) return cudaErrorUnknown;
   std::lock_guard<std::mutex> lock(g_mu);
   if (device != t_current) g_peer_enabled[{t_current, device}] = true;
-  g_opened[*ptr] = Region{bytes, device, ""};
+  g_opened[*ptr] = Region{bytes, device, handle.reserved + 12};
   return cudaSuccess;
 }
 cudaError_t cudaIpcCloseMemHandle(void* ptr) {
   std::lock_guard<std::mutex> lock(g_mu);
   auto it = g_opened.find(ptr);
   if (it == g_opened.end()) return cudaErrorInvalidValue;
+  check_import("cudaIpcCloseMemHandle", it->second.name, unlinked(it->second.name), true);
   munmap(ptr, it->second.bytes);
   g_opened.erase(it);
   return cudaSuccess;
@@ -305,6 +373,7 @@ cudaError_t cudaEventCreateWithFlags(cudaEvent_t* event, unsigned flags) {
     e->state = new EventState();
   }
   e->state->device = t_current;
+  e->state->destroyed = 0;
   e->state->recorded = 0;
   for (auto& d : e->state->done) d = 0;
   *event = e;
@@ -312,11 +381,16 @@ cudaError_t cudaEventCreateWithFlags(cudaEvent_t* event, unsigned flags) {
 }
 // The state stays mapped: as in CUDA, waits already queued on the event still complete.
 cudaError_t cudaEventDestroy(cudaEvent_t event) {
-  if (!event->name.empty() && event->owner) shm_unlink(event->name.c_str());
+  check_event("cudaEventDestroy", event, /*ending=*/true);
+  if (!event->name.empty() && event->owner) {
+    event->state->destroyed = 1;
+    shm_unlink(event->name.c_str());
+  }
   return cudaSuccess;
 }
 // As on a GPU, an event is recorded only on a stream of the device it was created on.
 cudaError_t cudaEventRecord(cudaEvent_t event, cudaStream_t stream) {
+  check_event("cudaEventRecord", event);
   EventState* st = event->state;
   if (st->device != stream_of(stream)->device) return cudaErrorInvalidResourceHandle;
   const uint64_t g = ++st->recorded;
@@ -324,6 +398,7 @@ cudaError_t cudaEventRecord(cudaEvent_t event, cudaStream_t stream) {
   return cudaSuccess;
 }
 cudaError_t cudaEventQuery(cudaEvent_t event) {
+  check_event("cudaEventQuery", event);
   return event->state->complete(event->state->recorded.load()) ? cudaSuccess : cudaErrorNotReady;
 }
 cudaError_t cudaIpcGetEventHandle(cudaIpcEventHandle_t* handle, cudaEvent_t event) {
@@ -357,6 +432,7 @@ cudaError_t cudaStreamQuery(cudaStream_t stream) {
   return stream_of(stream)->idle() ? cudaSuccess : cudaErrorNotReady;
 }
 cudaError_t cudaStreamWaitEvent(cudaStream_t stream, cudaEvent_t event, unsigned) {
+  check_event("cudaStreamWaitEvent", event);
   EventState* st = event->state;
   const uint64_t g = st->recorded.load();
   stream_of(stream)->push([st, g] {

@@ -8,6 +8,9 @@
 //         before each call, the all_gather input overwritten on it right after; up to a dozen
 //         collectives queued (on two alternating streams) before the host checks them.
 //     kill:  then the last rank exits without synchronising; the others must fail, naming it.
+//     exit_synced: the same, but the last rank exits right after a check point with all its
+//         GPU work done: the others' teardown must not touch the IPC memory and events it
+//         exported (the fake runtime aborts on any use of an import whose exporter is gone).
 //     abort: then rank 0 marks its group failed; the others fail; nobody's teardown waits.
 //     skew:  then rank 0 tears down a second after the others, who wait for its release.
 //     distinct_devices: as check, with rank r on device r (its streams and staging area made
@@ -285,6 +288,14 @@ class Rank {
           if (checks_.size() > 12) {
             flush();
             cases_since_flush = 0;
+            // The last rank exits with all its GPU work done: the others' queued work then
+            // completes, so their teardown reaches the IPC objects this rank exported.
+            if (mode == "exit_synced" && rank_ == n_ - 1 && c > 40) {
+              for (cudaStream_t s : streams_) fake_stream_sync(s);
+              std::fprintf(stderr, "rank %d: exiting after synchronising\n", rank_);
+              std::fflush(stderr);
+              _exit(9);
+            }
           }
         }
       }
@@ -433,7 +444,7 @@ void remove_leftovers(pid_t pid) {
 
 int main(int argc, char** argv) {
   if (argc < 3) {
-    std::fprintf(stderr, "usage: %s NRANKS STAGING_BYTES [check|kill|abort|skew|"
+    std::fprintf(stderr, "usage: %s NRANKS STAGING_BYTES [check|kill|exit_synced|abort|skew|"
                  "distinct_devices|ddp_distinct_devices|ddp_nowait|ddp_nodevice]\n", argv[0]);
     return 2;
   }

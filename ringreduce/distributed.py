@@ -60,7 +60,9 @@ tensors, as with any C++ backend.
 Knobs (environment): ``RINGREDUCE_SHM_BYTES``, the shared-memory staging area per rank for CPU
 tensors (default 4 MiB; larger tensors go in rounds); ``RINGREDUCE_CUDA_BUFFER_BYTES``, the
 device staging area per rank for CUDA tensors (default 32 MiB, allocated at the first CUDA
-collective; larger tensors go in rounds); ``RINGREDUCE_ASYNC`` (default 1).
+collective; larger tensors go in rounds); ``RINGREDUCE_ASYNC`` (default 1);
+``RINGREDUCE_CALLER_RUNS`` (default 1; 0: synchronous CPU collectives run on the progress
+thread too, as CUDA collectives always do).
 """
 import atexit
 import datetime
@@ -268,6 +270,7 @@ def _create_backend(store, rank, world_size, timeout, global_ranks=None):
             hosts = layout.host_of  # one ring over hosts sharing memory: count what crosses
     return _dist_C.Backend(comm, rank, world_size, timeout_s,
                            async_engine=_env.flag("RINGREDUCE_ASYNC"), store=store,
+                           caller_runs=_env.flag("RINGREDUCE_CALLER_RUNS"),
                            global_ranks=list(global_ranks or range(world_size)), hosts=hosts)
 
 

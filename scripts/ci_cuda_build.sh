@@ -112,6 +112,10 @@ echo "== 2. that CUDA build's tests (torch $torch_version): ${#CUDA_BUILD_TESTS[
   from ringreduce import _dist_C; print('ci_cuda_build: _dist_C', _dist_C.__file__)")
 unset RINGREDUCE_REQUIRE_INSTALL_TEST
 (cd "$work/src" && "$py" -m pytest -q -rs --timeout=600 "${CUDA_BUILD_TESTS[@]}")
+# The engine's fault tests on this build too: errors out of the progress thread through
+# Work.wait, the path every CUDA failure takes (the rest of test_engine.py is device-independent).
+(cd "$work/src" && "$py" -m pytest -q -rs --timeout=600 tests/test_engine.py \
+  -k "fails_the_group or abort or dead_peer or caller_runs or outlives")
 stamp "tests on torch $torch_version done"
 
 if [ -n "$torch_new" ]; then

@@ -471,16 +471,25 @@ def _timed_all_reduce(t):
         return (str(exc), time.monotonic() - start)
 
 
-@pytest.mark.parametrize("device,mode,victim", [
-    ("cpu", "kill", 2), ("cpu", "kill", 0), ("cpu", "exit", 2), ("cpu", "hang", 2),
-    pytest.param("cuda:0", "kill", 2, marks=needs_cuda),
-    pytest.param("cuda:0", "hang", 2, marks=needs_cuda)])
-def test_lost_rank_fails_within_timeout(tmp_path, device, mode, victim):
+# RINGREDUCE_CALLER_RUNS=0: the survivors' synchronous CPU collectives run on the progress
+# thread and their errors reach the caller through Work.wait, the path every CUDA collective
+# and its failures take (CALLER_RUNS_0 below).
+CALLER_RUNS_0 = {"RINGREDUCE_CALLER_RUNS": "0"}
+
+
+@pytest.mark.parametrize("device,mode,victim,env", [
+    ("cpu", "kill", 2, None), ("cpu", "kill", 0, None), ("cpu", "exit", 2, None),
+    ("cpu", "hang", 2, None),
+    pytest.param("cpu", "kill", 2, CALLER_RUNS_0, id="cpu-kill-2-caller_runs0"),
+    pytest.param("cpu", "hang", 2, CALLER_RUNS_0, id="cpu-hang-2-caller_runs0"),
+    pytest.param("cuda:0", "kill", 2, None, marks=needs_cuda),
+    pytest.param("cuda:0", "hang", 2, None, marks=needs_cuda)])
+def test_lost_rank_fails_within_timeout(tmp_path, device, mode, victim, env):
     """A rank killed (SIGKILL), gone through os._exit, or hung: the others fail naming it,
     "exited" for a dead rank (at once) and "timed out" for a live one (after the timeout); no
     segment of this run is left in /dev/shm, the dead rank's included."""
     world = 3
-    results = run_ranks(_killed, world, tmp_path, mode, device, victim)
+    results = run_ranks(_killed, world, tmp_path, mode, device, victim, env=env)
     if mode != "hang":
         assert results[victim][0] == "died", results[victim]
     for rank in set(range(world)) - {victim}:
@@ -533,13 +542,16 @@ def _lost_then_teardown(rank, world, store, how, victim):
     return msg, failed_s, time.monotonic() - start
 
 
-@pytest.mark.parametrize("how,world,victim", [("abort", 3, 0), ("kill", 3, 2), ("exit", 2, 0)])
-def test_teardown_does_not_wait_for_a_lost_peer(tmp_path, how, world, victim):
+@pytest.mark.parametrize("how,world,victim,env", [
+    ("abort", 3, 0, None), ("kill", 3, 2, None), ("exit", 2, 0, None),
+    pytest.param("abort", 3, 0, CALLER_RUNS_0, id="abort-3-0-caller_runs0"),
+    pytest.param("kill", 3, 2, CALLER_RUNS_0, id="kill-3-2-caller_runs0")])
+def test_teardown_does_not_wait_for_a_lost_peer(tmp_path, how, world, victim, env):
     """A peer aborted (and alive for LINGER_S more before it destroys its group), or killed
     (SIGKILL) or gone through os._exit right after queuing collectives: the others' failing
     all_reduce raises at once naming it, and every rank's destroy_process_group (the aborting
     one's too) returns within 3 s, far below the 20 s timeout; no segment of the run is left."""
-    results = run_ranks(_lost_then_teardown, world, tmp_path, how, victim)
+    results = run_ranks(_lost_then_teardown, world, tmp_path, how, victim, env=env)
     if how != "abort":
         assert results[victim][0] == "died", results[victim]
     for rank in range(world):

@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 
 from checks import anon_rss_kib, fd_count, heap_bytes, segments_of, thread_count
-from test_distributed import FAULT_TIMEOUT, init, run_ranks, values
+from test_distributed import CALLER_RUNS_0, FAULT_TIMEOUT, init, run_ranks, values
 
 
 def _delayed_peer(rank, world, store):
@@ -73,6 +73,71 @@ def test_sync_mode_runs_inline(tmp_path):
                                                 env={"RINGREDUCE_ASYNC": "0"}))[0]
     assert completed and value == 2.0
     assert issued > 0.5, "rank 0 did not wait for rank 1 inside the call"
+
+
+def _who_runs(rank, world, store):
+    import ringreduce.distributed
+    init(rank, world, store)
+    t = torch.ones(10)
+    for _ in range(3):
+        dist.all_reduce(t)  # synchronous, nothing queued before it
+    works = [dist.all_reduce(t, async_op=True) for _ in range(3)]
+    for w in works:
+        w.wait()
+    ran = ringreduce.distributed.backend_of().ran_by_callers
+    dist.destroy_process_group()
+    return ran, float(t[0])
+
+
+@pytest.mark.parametrize("env,by_callers", [(None, True), (CALLER_RUNS_0, False)],
+                         ids=["default", "caller_runs0"])
+def test_caller_runs_knob_sends_every_collective_through_the_progress_thread(tmp_path, env,
+                                                                             by_callers):
+    """By default a synchronous CPU collective with nothing queued before it runs in the
+    caller's thread; RINGREDUCE_CALLER_RUNS=0 sends it (and every Work.wait) through the
+    progress thread, as every CUDA collective goes, so the fault tests can take that path."""
+    for ran, value in values(run_ranks(_who_runs, 2, tmp_path, env=env)):
+        assert value == 64.0
+        if by_callers:
+            assert ran >= 3, ran
+        else:
+            assert ran == 0, ran
+
+
+def _callback_outlives_group(rank, world, store):
+    import threading
+    init(rank, world, store)
+    entered, release = threading.Event(), threading.Event()
+
+    def slow(fut):
+        entered.set()
+        release.wait(20)
+        return fut.value()[0]
+
+    work = dist.all_reduce(torch.ones(4), async_op=True)
+    chained = work.get_future().then(slow)
+    del work  # the completion thread's task now holds the only Work, and through it the group
+    assert entered.wait(20)
+    start = time.monotonic()
+    dist.destroy_process_group()  # its completion thread is inside `slow`: left detached
+    shut = time.monotonic() - start
+    release.set()
+    value = chained.wait()
+    # The task ends, dropping the last reference to the group from inside the completion thread
+    # (whose state must outlive the group's): give it time before this rank reports and exits.
+    time.sleep(1.0)
+    return shut, float(value[0])
+
+
+def test_completion_thread_outlives_its_group(tmp_path):
+    """A future callback still running when the group is destroyed: destroy_process_group
+    returns after the completer's 2 s grace, and the detached completion thread that then
+    drops the last reference to the group keeps the state it uses alive. A use after free here
+    shows under AddressSanitizer (scripts/sanitize.sh runs this test), where the completion
+    state owned by the group failed it; a normal build can only see a crash."""
+    for shut, value in values(run_ranks(_callback_outlives_group, 2, tmp_path)):
+        assert value == 2.0
+        assert shut < 4.0, f"destroy_process_group took {shut:.1f} s"
 
 
 class _SlowBackward(torch.autograd.Function):
@@ -180,8 +245,9 @@ def _engine_error(rank, world, store):
     return errors, elapsed, time.monotonic() - shut
 
 
-def test_error_in_engine_fails_the_group_and_peers_fast(tmp_path):
-    results = run_ranks(_engine_error, 2, tmp_path)
+@pytest.mark.parametrize("env", [None, CALLER_RUNS_0], ids=["default", "caller_runs0"])
+def test_error_in_engine_fails_the_group_and_peers_fast(tmp_path, env):
+    results = run_ranks(_engine_error, 2, tmp_path, env=env)
     (e0, t0, s0), (e1, t1, s1) = values(results)
     assert not segments_of(results.pids), f"left in /dev/shm: {segments_of(results.pids)}"
     for errors in (e0, e1):

@@ -109,7 +109,7 @@ class RingReduceBackend final : public c10d::Backend {
   // `global_ranks`: the members' global ranks (empty: 0 .. size-1), for the flight recorder.
   RingReduceBackend(std::shared_ptr<Transport> transport, int rank, int size, double timeout_s,
                     bool async, c10::intrusive_ptr<c10d::Store> store,
-                    std::vector<uint64_t> global_ranks = {})
+                    std::vector<uint64_t> global_ranks = {}, bool caller_runs = true)
       : c10d::Backend(rank, size), async_(async), store_(std::move(store)),
         global_ranks_(std::move(global_ranks)) {
     if (global_ranks_.empty()) {
@@ -123,7 +123,7 @@ class RingReduceBackend final : public c10d::Backend {
     g_->size = size;
     g_->timeout_s.store(timeout_s);
     start_recording();
-    engine_ = std::make_shared<Engine>(g_);
+    engine_ = std::make_shared<Engine>(g_, caller_runs);
     engine_->start();
     const std::lock_guard<std::mutex> held(g_live_mu);
     live_backends().insert(this);
@@ -195,6 +195,7 @@ class RingReduceBackend final : public c10d::Backend {
   py::object comm() { return g_->transport->object(); }
   c10::optional<int64_t> inter_host_bytes() const { return g_->transport->inter_host_bytes(); }
   bool is_failed() const { return g_->failed.load(); }
+  uint64_t ran_by_callers() const { return engine_->ran_by_callers(); }
   std::string failure() const { return g_->failure_text(); }
 
   void setTimeout(std::chrono::milliseconds timeout) override {
@@ -1252,7 +1253,7 @@ void bind_backend(py::module& m) {
       m, "Backend", "One rank of a ringreduce process group (torch.distributed backend).")
       .def(py::init([](py::object comm, int rank, int size, double timeout_s, bool async,
                        py::object store, std::vector<uint64_t> global_ranks,
-                       std::vector<int> hosts) {
+                       std::vector<int> hosts, bool caller_runs) {
              std::shared_ptr<Transport> t;
              if (py::isinstance<XhostTransport>(comm)) {
                t = comm.cast<std::shared_ptr<XhostTransport>>();
@@ -1264,12 +1265,13 @@ void bind_backend(py::module& m) {
              if (!store.is_none()) st = store.cast<c10::intrusive_ptr<c10d::Store>>();
              return c10::make_intrusive<RingReduceBackend>(t, rank, size, timeout_s, async,
                                                            std::move(st),
-                                                           std::move(global_ranks));
+                                                           std::move(global_ranks),
+                                                           caller_runs);
            }),
            py::arg("comm"), py::arg("rank"), py::arg("size"), py::arg("timeout"),
            py::arg("async_engine") = true, py::arg("store") = py::none(),
            py::arg("global_ranks") = std::vector<uint64_t>{},
-           py::arg("hosts") = std::vector<int>{},
+           py::arg("hosts") = std::vector<int>{}, py::arg("caller_runs") = true,
            "comm: a Comm (one host; with `hosts`, every rank's host, when its ring spans hosts "
            "that share memory) or a HierarchicalComm (several hosts).")
       .def_property_readonly("comm", &RingReduceBackend::comm,
@@ -1282,6 +1284,9 @@ void bind_backend(py::module& m) {
           "The group's timeout (a timedelta); ringreduce.distributed builds the backend's "
           "options (what dist.split_group copies) from it.")
       .def_property_readonly("failed", &RingReduceBackend::is_failed)
+      .def_property_readonly("ran_by_callers", &RingReduceBackend::ran_by_callers,
+                             "Collectives run in a caller's thread rather than the progress "
+                             "thread (none with RINGREDUCE_CALLER_RUNS=0).")
       .def_property_readonly("failure", &RingReduceBackend::failure);
   bind_xhost(m);
   m.def("shutdown_all", &shutdown_all, py::arg("grace"),

@@ -31,6 +31,8 @@ namespace detail __attribute__((visibility("hidden"))) {
 // between those callbacks is no longer fixed: a rank that disagrees fails with a message).
 
 inline thread_local int tls_level = 0;  // 0: not a completion thread
+// The state of the Completer whose completion thread this is (nullptr: none). Only compared.
+inline thread_local const void* tls_state = nullptr;
 
 class Completer {
  public:
@@ -44,43 +46,48 @@ class Completer {
   static int issue_level() { return std::min(tls_level + 1, kMaxLevel); }
 
   void post(int level, std::function<void()> task) {
-    std::unique_lock<std::mutex> lock(mu_);
-    if (stopping_) {
+    std::unique_lock<std::mutex> lock(s_->mu);
+    if (s_->stopping) {
       // The group is gone: no collective needs progress any more, so run it here.
       lock.unlock();
       task();
       return;
     }
-    Level& l = levels_[size_t(level - 1)];
+    Level& l = s_->levels[size_t(level - 1)];
     l.q.push_back(std::move(task));
     if (l.threads == 0) {
-      start(level);
+      start(s_, level);
     } else {
       l.cv.notify_one();
     }
-    if (!supervisor_.joinable()) supervisor_ = std::thread([this] { supervise(); });
+    if (!supervisor_.joinable()) supervisor_ = std::thread([s = s_] { supervise(s); });
   }
 
   // Runs what is queued, then ends the threads; a thread still inside a callback at `deadline`
-  // is left to finish on its own (detached): a user callback may block for ever.
+  // is left to finish on its own (detached): a user callback may block for ever. A detached
+  // thread holds the state it uses (a shared_ptr), so the group that owns this Completer may
+  // be destroyed before the thread leaves the callback. Called from one of this Completer's
+  // own threads (a callback dropped the last reference to the group), it does not wait for
+  // or join that thread.
   void stop(Clock::time_point deadline) {
     std::vector<std::thread> threads;
     std::thread supervisor;
+    const int me = tls_state == s_.get() ? 1 : 0;
     {
-      std::unique_lock<std::mutex> lock(mu_);
-      stopping_ = true;
-      for (Level& l : levels_) l.cv.notify_all();
-      sup_cv_.notify_all();
-      done_cv_.wait_until(lock, deadline, [this] { return alive_ == 0; });
-      threads.swap(threads_);
+      std::unique_lock<std::mutex> lock(s_->mu);
+      s_->stopping = true;
+      for (Level& l : s_->levels) l.cv.notify_all();
+      s_->sup_cv.notify_all();
+      s_->done_cv.wait_until(lock, deadline, [&] { return s_->alive == me; });
+      threads.swap(s_->threads);
       supervisor.swap(supervisor_);
     }
     if (supervisor.joinable()) supervisor.join();
-    std::unique_lock<std::mutex> lock(mu_);
-    const bool all_out = alive_ == 0;
+    std::unique_lock<std::mutex> lock(s_->mu);
+    const bool all_out = s_->alive == me;
     lock.unlock();
     for (auto& t : threads) {
-      if (all_out) {
+      if (all_out && t.get_id() != std::this_thread::get_id()) {
         t.join();
       } else {
         t.detach();
@@ -97,22 +104,34 @@ class Completer {
     Clock::time_point progress;  // when a thread of this level last took a task
   };
 
-  void start(int level) {
-    Level& l = levels_[size_t(level - 1)];
+  // Everything the threads touch: shared by the Completer and each of its threads.
+  struct State {
+    std::mutex mu;
+    std::condition_variable done_cv, sup_cv;
+    Level levels[kMaxLevel];
+    std::vector<std::thread> threads;
+    int alive = 0;
+    bool stopping = false;
+  };
+
+  // Called with s->mu held.
+  static void start(const std::shared_ptr<State>& s, int level) {
+    Level& l = s->levels[size_t(level - 1)];
     ++l.threads;
-    ++alive_;
-    threads_.emplace_back([this, level] { loop(level); });
+    ++s->alive;
+    s->threads.emplace_back([s, level] { loop(*s, level); });
   }
 
-  void loop(int level) {
+  static void loop(State& s, int level) {
     tls_level = level;
-    Level& l = levels_[size_t(level - 1)];
-    std::unique_lock<std::mutex> lock(mu_);
+    tls_state = &s;
+    Level& l = s.levels[size_t(level - 1)];
+    std::unique_lock<std::mutex> lock(s.mu);
     for (;;) {
       if (l.q.empty()) {
-        if (stopping_) break;
+        if (s.stopping) break;
         ++l.idle;
-        l.cv.wait(lock, [&] { return !l.q.empty() || stopping_; });
+        l.cv.wait(lock, [&] { return !l.q.empty() || s.stopping; });
         --l.idle;
         continue;
       }
@@ -124,35 +143,31 @@ class Completer {
       task = nullptr;  // whatever it held is released outside the lock
       lock.lock();
     }
-    --alive_;
-    done_cv_.notify_all();
+    --s.alive;
+    s.done_cv.notify_all();
   }
 
   // Starts another thread for a level whose threads are all busy and have taken nothing for
-  // kStuck while completions wait.
-  void supervise() {
-    std::unique_lock<std::mutex> lock(mu_);
-    while (!stopping_) {
-      sup_cv_.wait_for(lock, kStuck / 5);
+  // kStuck while completions wait. Holds the state through the thread's own shared_ptr.
+  static void supervise(const std::shared_ptr<State>& self) {
+    State& s = *self;
+    std::unique_lock<std::mutex> lock(s.mu);
+    while (!s.stopping) {
+      s.sup_cv.wait_for(lock, kStuck / 5);
       const Clock::time_point now = Clock::now();
       for (int level = 1; level <= kMaxLevel; ++level) {
-        Level& l = levels_[size_t(level - 1)];
-        if (!stopping_ && !l.q.empty() && l.idle == 0 && l.threads > 0 &&
+        Level& l = s.levels[size_t(level - 1)];
+        if (!s.stopping && !l.q.empty() && l.idle == 0 && l.threads > 0 &&
             l.threads < kMaxThreadsPerLevel && now - l.progress > kStuck) {
           l.progress = now;
-          start(level);
+          start(self, level);
         }
       }
     }
   }
 
-  std::mutex mu_;
-  std::condition_variable done_cv_, sup_cv_;
-  Level levels_[kMaxLevel];
-  std::vector<std::thread> threads_;
+  std::shared_ptr<State> s_ = std::make_shared<State>();
   std::thread supervisor_;
-  int alive_ = 0;
-  bool stopping_ = false;
 };
 
 }  // namespace detail

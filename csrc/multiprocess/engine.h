@@ -112,8 +112,8 @@ class RRWork final : public c10d::Work {
   bool wait(std::chrono::milliseconds timeout = kNoTimeout) override;
   c10::intrusive_ptr<c10::ivalue::Future> getFuture() override;
 
-  // Called once, when the collective is done (error == nullptr) or failed.
-  void finish(std::exception_ptr error);
+  // When the collective is done (error == nullptr) or failed; later calls do nothing.
+  void finish(std::exception_ptr error) noexcept;
   void set_source(int r) { source_.store(r); }
   void set_engine(std::weak_ptr<Engine> e, const void* job) {
     engine_ = std::move(e);
@@ -180,6 +180,7 @@ class RRWork final : public c10d::Work {
   c10::intrusive_ptr<c10::ivalue::Future> future_;
   std::weak_ptr<Engine> engine_;  // while queued: wait() may run the job itself
   const void* job_ = nullptr;
+  bool finishing_ = false;  // finish() has been called
   FrTrace trace_;
   bool trace_on_gpu_ = false;
 #ifdef RINGREDUCE_WITH_CUDA
@@ -188,13 +189,26 @@ class RRWork final : public c10d::Work {
 #endif
 };
 
-inline void RRWork::finish(std::exception_ptr error) {
-  if (trace_.on && (error || !trace_on_gpu_)) group_->fr->finished(trace_, !error);
-  c10::intrusive_ptr<c10::ivalue::Future> fut;
-  if (recordFunctionEndCallback_) {
-    recordFunctionEndCallback_();
-    recordFunctionEndCallback_ = nullptr;
+// Never throws, and only the first call counts: it runs in the engine's threads (a throw there
+// would end the process, and a caller's catch that finished the Work again would complete its
+// future twice). The recorder and the profiler are told best effort; the Work's state, its
+// waiters and its future come first.
+inline void RRWork::finish(std::exception_ptr error) noexcept {
+  {
+    const std::lock_guard<std::mutex> held(mu_);
+    if (finishing_) return;
+    finishing_ = true;
   }
+  try {
+    if (trace_.on && (error || !trace_on_gpu_)) group_->fr->finished(trace_, !error);
+  } catch (...) {
+  }
+  try {
+    if (recordFunctionEndCallback_) recordFunctionEndCallback_();
+  } catch (...) {
+  }
+  recordFunctionEndCallback_ = nullptr;
+  c10::intrusive_ptr<c10::ivalue::Future> fut;
   {
     const std::lock_guard<std::mutex> held(mu_);
     error_ = error;
@@ -204,9 +218,16 @@ inline void RRWork::finish(std::exception_ptr error) {
     job_ = nullptr;
   }
   cv_.notify_all();
-  if (fut) {
-    c10::intrusive_ptr<RRWork> self = c10::intrusive_ptr<RRWork>::reclaim_copy(this);
+  if (!fut) return;
+  c10::intrusive_ptr<RRWork> self = c10::intrusive_ptr<RRWork>::reclaim_copy(this);
+  try {
     group_->completer.post(level_, [self, fut, error] { self->complete(fut, error); });
+  } catch (...) {
+    // No completion thread could take it (out of memory or threads): completed here.
+    try {
+      complete(fut, error);
+    } catch (...) {
+    }
   }
 }
 
@@ -244,7 +265,11 @@ struct Job {
 
 class Engine : public std::enable_shared_from_this<Engine> {
  public:
-  explicit Engine(std::shared_ptr<Group> g) : g_(std::move(g)) {}
+  // `caller_runs`: a synchronous CPU collective, or Work.wait() on a queued one, may run in
+  // the caller's thread (run_now, help); false: every collective runs on the progress thread,
+  // the path every CUDA collective and its failures take (RINGREDUCE_CALLER_RUNS=0).
+  Engine(std::shared_ptr<Group> g, bool caller_runs)
+      : g_(std::move(g)), caller_runs_(caller_runs) {}
 
   void start() {
     thread_ = std::thread([this] { loop(); });
@@ -270,11 +295,13 @@ class Engine : public std::enable_shared_from_this<Engine> {
 
   // Runs `job` in the calling thread if nothing is queued or running; false otherwise.
   bool run_now(const std::shared_ptr<Job>& job) {
+    if (!caller_runs_) return false;
     {
       const std::lock_guard<std::mutex> held(mu_);
       if (busy_ || !pending_.empty() || stopping_) return false;
       busy_ = true;
     }
+    ran_by_callers_.fetch_add(1, std::memory_order_relaxed);
     execute(*job);
     release();
     return true;
@@ -283,6 +310,7 @@ class Engine : public std::enable_shared_from_this<Engine> {
   // Work.wait() on a queued CPU job: runs it in the waiting thread if it is next and nothing
   // runs (it would only block anyway).
   void help(const void* job) {
+    if (!caller_runs_) return;
     std::shared_ptr<Job> mine;
     {
       const std::lock_guard<std::mutex> held(mu_);
@@ -293,6 +321,7 @@ class Engine : public std::enable_shared_from_this<Engine> {
       pending_.pop_front();
       busy_ = true;
     }
+    ran_by_callers_.fetch_add(1, std::memory_order_relaxed);
     execute(*mine);
     release();
   }
@@ -325,6 +354,8 @@ class Engine : public std::enable_shared_from_this<Engine> {
   }
 
   bool used_cuda() const { return used_cuda_.load(); }
+  // Collectives that ran in a caller's thread (run_now, help) rather than the progress thread.
+  uint64_t ran_by_callers() const { return ran_by_callers_.load(std::memory_order_relaxed); }
 
 #ifdef RINGREDUCE_WITH_CUDA
   // The group's own stream on `device` for collectives (not torch's pool: user code cannot be
@@ -450,8 +481,12 @@ class Engine : public std::enable_shared_from_this<Engine> {
         abandoned_.push_back(std::move(job.run));
       }
 #endif
-      g_->fail("ringreduce: " + work.name() + " on rank " + std::to_string(g_->rank) +
-               " failed: " + error_text(error));
+      try {
+        g_->fail("ringreduce: " + work.name() + " on rank " + std::to_string(g_->rank) +
+                 " failed: " + error_text(error));
+      } catch (...) {
+        // Out of memory for the message: the Work still fails with its own error.
+      }
       work.finish(error);
     }
   }
@@ -514,16 +549,26 @@ class Engine : public std::enable_shared_from_this<Engine> {
   // until the process exits). Called with inflight_mu_ held.
   void abandon_inflight() {
     for (Inflight& f : inflight_) {
-      if (f.work && f.work->trace().on) g_->fr->finished(f.work->trace(), false);
+      try {
+        if (f.work && f.work->trace().on) g_->fr->finished(f.work->trace(), false);
+      } catch (...) {
+        // The recorder is told best effort; the captures must be kept regardless.
+      }
       abandoned_.push_back(std::move(f.captures));
     }
     inflight_.clear();
   }
 
+  static constexpr std::chrono::seconds kFailedSettle{1};
+
   // At stop, after the watchdog: waits (until `deadline`) for the GPU work still in flight and
   // releases its captures; what has not finished by then, and what abandon_inflight() kept, is
   // kept until the process exits (a leak is better than memory the GPU may still use).
   void settle_inflight(Clock::time_point deadline) {
+    // A failed group's GPU work may wait for ever for a peer's (a dead or aborted rank's
+    // events): it gets kFailedSettle, not the whole group timeout, before it is kept.
+    if (g_->failed.load(std::memory_order_acquire))
+      deadline = std::min(deadline, Clock::now() + kFailedSettle);
     std::deque<Inflight> left;
     std::vector<std::function<void()>> abandoned;
     {
@@ -590,6 +635,34 @@ class Engine : public std::enable_shared_from_this<Engine> {
   // collectives, so a stuck collective cannot stop it. Its CUDA calls run with the event's
   // device current (Event), so this thread never creates a context on another GPU.
   void watch() {
+    for (;;) {
+      try {
+        watch_loop();
+        return;
+      } catch (const std::exception& e) {
+        watch_failed(e.what());
+      } catch (...) {
+        watch_failed("an unknown exception");
+      }
+    }
+  }
+
+  // An exception out of the watchdog's loop (a CUDA error out of a device guard, no memory):
+  // the work in flight can no longer be watched, so it is abandoned and the group fails; the
+  // watchdog goes on (it must see the stop).
+  void watch_failed(const char* what) noexcept {
+    try {
+      {
+        const std::lock_guard<std::mutex> held(inflight_mu_);
+        abandon_inflight();
+      }
+      g_->fail("ringreduce: the watchdog of rank " + std::to_string(g_->rank) + " failed: " +
+               what);
+    } catch (...) {
+    }
+  }
+
+  void watch_loop() {
     std::unique_lock<std::mutex> lock(inflight_mu_);
     while (!watch_stop_) {
       if (inflight_.empty()) {
@@ -653,6 +726,8 @@ class Engine : public std::enable_shared_from_this<Engine> {
 #endif
 
   std::shared_ptr<Group> g_;
+  const bool caller_runs_;
+  std::atomic<uint64_t> ran_by_callers_{0};
   std::mutex mu_;
   std::condition_variable cv_, done_cv_;
   std::deque<std::shared_ptr<Job>> pending_;

@@ -301,7 +301,7 @@ def test_collectives_on_given_streams():
 def test_distinct_streams_on_a_shared_device_are_separate_lanes():
     """Ranks on one GPU given distinct streams each run on their own stream ("virtual
     devices"); the result is the broadcast, and each stream's later work sees it."""
-    tensors = [torch.full((1 << 16) + 5, float(r + 1), device="cuda") for r in range(3)]
+    tensors = [torch.full(((1 << 16) + 5,), float(r + 1), device="cuda") for r in range(3)]
     streams = [torch.cuda.Stream(), torch.cuda.Stream(), None]
     for s in streams[:2]:
         s.wait_stream(torch.cuda.current_stream())  # the fills above are on the current stream

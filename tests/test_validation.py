@@ -1,10 +1,12 @@
 """Bad input: a clear exception naming the argument and the rule, before any tensor changes."""
+import sys
+
 import pytest
 import torch
 import torch.distributed as dist
 
 import ringreduce
-from checks import seeded
+from checks import run_bounded, seeded
 from reference import BITWISE_OPS, random_inputs, ring_model
 
 
@@ -147,6 +149,38 @@ def test_cuda_tensors_on_cpu_build(fn):
     with pytest.raises(RuntimeError, match=f"ringreduce.{fn}: tensors are on cuda:0 but this "
                                            "ringreduce build has no CUDA support"):
         call()
+
+
+_SIXTY_FIVE_RANKS = """
+import torch, ringreduce
+from torch._subclasses.fake_tensor import FakeTensorMode
+with FakeTensorMode():
+    ins = [torch.empty(0, device="cuda") for _ in range(65)]
+assert all(t.is_cuda for t in ins), "FakeTensorMode made no CUDA tensors"
+for _ in range(2):
+    try:
+        ringreduce.all_reduce(ins)
+        print("no error")
+    except RuntimeError as exc:
+        print(type(exc).__name__, exc)
+"""
+
+
+@pytest.mark.skipif(not ringreduce.build_info()["cuda"],
+                    reason="the 64-rank limit is the CUDA build's (a CPU-only build refuses CUDA "
+                           "tensors first: test_cuda_tensors_on_cpu_build)")
+def test_65_cuda_ranks_raise_out_of_the_cuda_build_without_a_gpu():
+    """The c10::Error that 65 CUDA ranks raise out of _C (TORCH_CHECK in check_device_support;
+    on an H100 this call died of SIGSEGV instead, docs/GPU_SESSION.md), raised by the CUDA
+    build without a GPU, twice, in a fresh process (so the first is the first c10::Error out
+    of _C there, as in the crash): torch's fake tensors on cuda:0 (a device, no memory; with no
+    elements nothing of theirs is read before the check). Passing here puts the crash in what
+    a GPU adds, not in raising through the CUDA build."""
+    status, out = run_bounded([sys.executable, "-c", _SIXTY_FIVE_RANKS], timeout=120)
+    expected = ("RuntimeError ringreduce.all_reduce: at most 64 ranks are supported on CUDA; "
+                "got 65")
+    lines = [line for line in out.splitlines() if line.startswith(("RuntimeError", "no error"))]
+    assert status == 0 and lines == [expected] * 2, f"exit {status}:\n{out}"
 
 
 def test_single_rank_is_noop():

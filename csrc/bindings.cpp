@@ -350,10 +350,8 @@ std::vector<std::string> execute(const rr::Plan& plan, rr::DType dtype, rr::Op o
       oneshot->bytes <= oneshot->max_bytes) {
     // One kernel instead of 2(N-1) ring steps, with the ring's bits; capturable, except on the
     // legacy default stream while another stream captures, which check_capture refuses.
-    rr::cuda::check_capture(lanes.data(), 1);
-    std::vector<const void*> in(oneshot->in.begin(), oneshot->in.end());
-    rr::cuda::launch_oneshot(in.data(), oneshot->out.data(), nranks, oneshot->count, dtype, op,
-                             lanes[0].stream);
+    rr::cuda::run_oneshot(lanes[0], oneshot->in.data(), oneshot->out.data(), nranks,
+                          oneshot->count, dtype, op);
     bump_versions(written);
     return staged;
   }

@@ -41,6 +41,10 @@ __global__ void __launch_bounds__(kStepThreads) step_kernel(const __grid_constan
                                      int64_t(gridDim.x) * blockDim.x);
 }
 
+// Launched through this typed pointer (CUDA's template overload of cudaLaunchKernel), so that
+// the fake runtime of tests/fake_cuda can run the kernel and count its parameters' bytes.
+using StepKernel = void (*)(StepParams);
+
 template <typename T, Op op, bool kReduce, bool kLast>
 const void* kernel_ptr() {
   return reinterpret_cast<const void*>(&step_kernel<T, op, kReduce, kLast>);
@@ -91,19 +95,20 @@ void launch_step(const Task* tasks, int ntasks, DType dtype, Op op, bool reduce,
   if (max_n == 0) return;
   int device = 0;
   RR_CUDA_CHECK(cudaGetDevice(&device), "launching a ring step");
-  const void* fn = nullptr;
+  StepKernel kernel = nullptr;
   // Copies do not depend on the operator: one copy kernel per dtype.
   RR_DISPATCH(dtype, reduce ? op : Op::Sum,
-              fn = reduce ? (last ? kernel_ptr<T, kOp, true, true>()
-                                  : kernel_ptr<T, kOp, true, false>())
-                          : kernel_ptr<T, kOp, false, false>());
+              kernel = reduce ? (last ? &step_kernel<T, kOp, true, true>
+                                      : &step_kernel<T, kOp, true, false>)
+                              : &step_kernel<T, kOp, false, false>);
+  const void* fn = reinterpret_cast<const void*>(kernel);
   // One full wave of resident blocks across all tasks of the launch fills the chip; how many
   // fit per SM depends on each instantiation's registers (docs/PTXAS.md).
   const dim3 grid(unsigned(step_grid_x(max_n, elem_size(dtype), ntasks,
                                        resident_blocks(fn, kStepThreads, device))),
                   unsigned(ntasks));
   void* args[] = {&p};
-  RR_CUDA_CHECK(cudaLaunchKernel(fn, grid, dim3(kStepThreads), args, 0, stream),
+  RR_CUDA_CHECK(cudaLaunchKernel(kernel, grid, dim3(kStepThreads), args, 0, stream),
                 std::string("launching the ") + (reduce ? "reduce" : "copy") + " kernel for " +
                     dtype_name(dtype) + " " + op_name(op) + " on cuda:" + std::to_string(device));
 }

@@ -5,6 +5,7 @@
 
 #include <cstdint>
 
+#include "cuda_executor.h"
 #include "types.h"
 
 namespace rr {
@@ -21,6 +22,12 @@ namespace cuda {
 // naming the dtype, op and device when the launch fails.
 void launch_oneshot(const void* const* in, void* const* out, int nranks, int64_t count,
                     DType dtype, Op op, cudaStream_t stream);
+
+// The list API's one-shot all-reduce on one lane (every rank on one stream of one device, the
+// current one): check_capture (cuda_executor.h: a refusal on the legacy default stream while
+// another stream captures), then launch_oneshot.
+void run_oneshot(const Lane& lane, const void* const* in, void* const* out, int nranks,
+                 int64_t count, DType dtype, Op op);
 
 }  // namespace cuda
 }  // namespace rr

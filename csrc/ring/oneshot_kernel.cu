@@ -32,8 +32,10 @@ void launch_oneshot(const void* const* in, void* const* out, int nranks, int64_t
   }
   OneshotArgs a = make_oneshot_args(in, out, nranks, count);
   if (count == 0) return;
-  const void* fn = nullptr;
-  RR_DISPATCH(dtype, op, fn = reinterpret_cast<const void*>(&oneshot_kernel<T, kOp>));
+  // Typed, as in cuda_kernels.cu (the fake runtime runs it and counts its parameters).
+  void (*kernel)(OneshotArgs) = nullptr;
+  RR_DISPATCH(dtype, op, kernel = &oneshot_kernel<T, kOp>);
+  const void* fn = reinterpret_cast<const void*>(kernel);
   int device = 0;
   RR_CUDA_CHECK(cudaGetDevice(&device), "launching the one-shot all-reduce");
   // One thread per pack (or element), so a small call takes few blocks and leaves the other SMs
@@ -41,11 +43,17 @@ void launch_oneshot(const void* const* in, void* const* out, int nranks, int64_t
   const int64_t blocks = oneshot_grid(count, elem_size(dtype), a.vec,
                                       resident_blocks(fn, kOneshotThreads, device));
   void* args[] = {&a};
-  RR_CUDA_CHECK(cudaLaunchKernel(fn, dim3(unsigned(blocks)), dim3(kOneshotThreads), args, 0,
+  RR_CUDA_CHECK(cudaLaunchKernel(kernel, dim3(unsigned(blocks)), dim3(kOneshotThreads), args, 0,
                                  stream),
                 std::string("launching the one-shot all-reduce kernel (") + dtype_name(dtype) +
                     " " + op_name(op) + ", " + std::to_string(nranks) + " ranks, " +
                     std::to_string(count) + " elements) on cuda:" + std::to_string(device));
+}
+
+void run_oneshot(const Lane& lane, const void* const* in, void* const* out, int nranks,
+                 int64_t count, DType dtype, Op op) {
+  check_capture(&lane, 1);
+  launch_oneshot(in, out, nranks, count, dtype, op, lane.stream);
 }
 
 }  // namespace cuda

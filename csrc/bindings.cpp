@@ -362,6 +362,7 @@ std::vector<std::string> execute(const rr::Plan& plan, rr::DType dtype, rr::Op o
   rr::cuda::RunOptions options;
   options.peer_access = peer_access;
   options.force_copy = transport == "copy";
+  options.current_device = ranks[0].get_device();  // device_guard made it current
   options.alloc = [&](int device, cudaStream_t stream, size_t bytes) -> void* {
     const auto dev = static_cast<c10::DeviceIndex>(device);
     c10::cuda::CUDAStreamGuard on(c10::cuda::getStreamFromExternal(stream, dev));

@@ -5,8 +5,8 @@ oneshot_kernel.cu, compiled by the host compiler, on the fake runtime of fake_la
 cudaLaunchKernel runs the real kernels' bodies, checked against the CPU executor), and counts
 per call: the CUDA runtime calls by name, the kernel launches, the bytes of their parameters and
 the executor's heap allocations. Four int32 ranks of 1000 elements, sum; one lane (simulated
-ranks on one stream), a stream per rank on one device, a device per rank, every hop staged, and
-one lane under stream capture (a CUDA graph's replay runs what the capture recorded: one
+ranks on one stream; also 12 ranks, more than one step kernel takes), a stream per rank on one
+device, a device per rank, every hop staged, and one lane under stream capture (a CUDA graph's replay runs what the capture recorded: one
 cudaGraphLaunch, none of this host code). The steady state is a later call, after every cache
 is warm; the first call also pays what is made once (events, occupancy).
 
@@ -29,56 +29,59 @@ pytestmark = pytest.mark.skipif(CXX is None or not sys.platform.startswith("linu
 # path -> counts of a steady-state call (call=2) and of the first call (call=0).
 PINNED = {
     "oneshot": {
-        2: dict(launches=1, param_bytes=1064, allocations=1,
-                cudaGetDevice=2, cudaLaunchKernel=1, cudaStreamIsCapturing=1),
-        0: dict(launches=1, param_bytes=1064, allocations=2,
-                cudaDeviceGetAttribute=1, cudaGetDevice=2, cudaLaunchKernel=1,
+        2: dict(launches=1, param_bytes=1064, allocations=0,
+                cudaLaunchKernel=1, cudaStreamIsCapturing=1),
+        0: dict(launches=1, param_bytes=1064, allocations=1,
+                cudaDeviceGetAttribute=1, cudaLaunchKernel=1,
                 cudaOccupancyMaxActiveBlocksPerMultiprocessor=1, cudaStreamIsCapturing=1),
     },
     "ring": {
-        2: dict(launches=6, param_bytes=12336, allocations=5,
-                cudaGetDevice=7, cudaLaunchKernel=6, cudaStreamIsCapturing=1),
-        0: dict(launches=6, param_bytes=12336, allocations=8,
-                cudaGetDevice=7, cudaLaunchKernel=6,
-                cudaOccupancyMaxActiveBlocksPerMultiprocessor=3, cudaStreamIsCapturing=1),
+        2: dict(launches=6, param_bytes=1584, allocations=0,
+                cudaLaunchKernel=6, cudaStreamIsCapturing=1),
+        0: dict(launches=6, param_bytes=1584, allocations=12,
+                cudaLaunchKernel=6, cudaOccupancyMaxActiveBlocksPerMultiprocessor=3,
+                cudaStreamIsCapturing=1),
+    },
+    "ring_12_ranks": {
+        2: dict(launches=44, param_bytes=11616, allocations=0,
+                cudaLaunchKernel=44, cudaStreamIsCapturing=1),
+        0: dict(launches=44, param_bytes=11616, allocations=3,
+                cudaLaunchKernel=44, cudaStreamIsCapturing=1),
     },
     "ring_virtual": {
-        2: dict(launches=24, param_bytes=49344, allocations=23,
-                cudaEventRecord=32, cudaGetDevice=25, cudaLaunchKernel=24,
+        2: dict(launches=24, param_bytes=6336, allocations=0,
+                cudaEventRecord=32, cudaLaunchKernel=24, cudaStreamIsCapturing=4,
+                cudaStreamWaitEvent=36),
+        0: dict(launches=24, param_bytes=6336, allocations=34,
+                cudaEventCreateWithFlags=32, cudaEventRecord=32, cudaLaunchKernel=24,
                 cudaStreamIsCapturing=4, cudaStreamWaitEvent=36),
-        0: dict(launches=24, param_bytes=49344, allocations=42,
-                cudaEventCreateWithFlags=32, cudaEventRecord=32, cudaGetDevice=25,
-                cudaLaunchKernel=24, cudaStreamIsCapturing=4, cudaStreamWaitEvent=36),
     },
     "ring_devices": {
-        2: dict(launches=24, param_bytes=49344, allocations=26,
-                cudaEventRecord=32, cudaGetDevice=25, cudaLaunchKernel=24, cudaSetDevice=44,
+        2: dict(launches=24, param_bytes=6336, allocations=0,
+                cudaEventRecord=32, cudaLaunchKernel=24, cudaSetDevice=44,
                 cudaStreamIsCapturing=4, cudaStreamWaitEvent=36),
-        0: dict(launches=24, param_bytes=49344, allocations=56,
+        0: dict(launches=24, param_bytes=6336, allocations=30,
                 cudaDeviceGetAttribute=3, cudaEventCreateWithFlags=24, cudaEventRecord=32,
-                cudaGetDevice=25, cudaLaunchKernel=24,
-                cudaOccupancyMaxActiveBlocksPerMultiprocessor=9, cudaSetDevice=47,
-                cudaStreamIsCapturing=4, cudaStreamWaitEvent=36),
+                cudaLaunchKernel=24, cudaOccupancyMaxActiveBlocksPerMultiprocessor=9,
+                cudaSetDevice=47, cudaStreamIsCapturing=4, cudaStreamWaitEvent=36),
     },
     "staged": {
-        2: dict(launches=3, param_bytes=6168, allocations=7,
-                cudaGetDevice=4, cudaLaunchKernel=3, cudaMemcpyPeerAsync=24,
-                cudaStreamIsCapturing=1),
-        0: dict(launches=3, param_bytes=6168, allocations=7,
-                cudaGetDevice=4, cudaLaunchKernel=3, cudaMemcpyPeerAsync=24,
-                cudaStreamIsCapturing=1),
+        2: dict(launches=3, param_bytes=792, allocations=0,
+                cudaLaunchKernel=3, cudaMemcpyPeerAsync=24, cudaStreamIsCapturing=1),
+        0: dict(launches=3, param_bytes=792, allocations=0,
+                cudaLaunchKernel=3, cudaMemcpyPeerAsync=24, cudaStreamIsCapturing=1),
     },
     "capture_oneshot": {
-        2: dict(launches=1, param_bytes=1064, allocations=1,
-                cudaGetDevice=2, cudaLaunchKernel=1, cudaStreamIsCapturing=1),
-        0: dict(launches=1, param_bytes=1064, allocations=1,
-                cudaGetDevice=2, cudaLaunchKernel=1, cudaStreamIsCapturing=1),
+        2: dict(launches=1, param_bytes=1064, allocations=0,
+                cudaLaunchKernel=1, cudaStreamIsCapturing=1),
+        0: dict(launches=1, param_bytes=1064, allocations=0,
+                cudaLaunchKernel=1, cudaStreamIsCapturing=1),
     },
     "capture_ring": {
-        2: dict(launches=6, param_bytes=12336, allocations=5,
-                cudaGetDevice=7, cudaLaunchKernel=6, cudaStreamIsCapturing=1),
-        0: dict(launches=6, param_bytes=12336, allocations=5,
-                cudaGetDevice=7, cudaLaunchKernel=6, cudaStreamIsCapturing=1),
+        2: dict(launches=6, param_bytes=1584, allocations=0,
+                cudaLaunchKernel=6, cudaStreamIsCapturing=1),
+        0: dict(launches=6, param_bytes=1584, allocations=0,
+                cudaLaunchKernel=6, cudaStreamIsCapturing=1),
     },
 }
 

@@ -51,6 +51,7 @@ using rr::Op;
 
 constexpr int kDevices = 4;
 constexpr int kRanks = 4;
+constexpr int kManyRanks = 12;  // more tasks on one lane than one step kernel takes (8)
 constexpr int64_t kCount = 1000;  // int32 elements a rank: 4000 bytes, uneven ring chunks
 
 struct Driver {
@@ -58,7 +59,8 @@ struct Driver {
   ~Driver() { --g_driver; }
 };
 
-enum class Path { Oneshot, Ring, RingVirtual, RingDevices, Staged, CaptureOneshot, CaptureRing };
+enum class Path { Oneshot, Ring, RingMany, RingVirtual, RingDevices, Staged, CaptureOneshot,
+                  CaptureRing };
 
 struct Setup {
   const char* name;
@@ -70,10 +72,11 @@ struct Setup {
 };
 
 std::vector<Setup> setups() {
-  const std::vector<int> one(kRanks, 0), each = {0, 1, 2, 3};
+  const std::vector<int> one(kRanks, 0), each = {0, 1, 2, 3}, many(kManyRanks, 0);
   return {
       {"oneshot", Path::Oneshot, {0}, one},
       {"ring", Path::Ring, {0}, one},
+      {"ring_12_ranks", Path::RingMany, {0}, many},
       {"ring_virtual", Path::RingVirtual, {0, 0, 0, 0}, each},
       {"ring_devices", Path::RingDevices, {0, 1, 2, 3}, each},
       {"staged", Path::Staged, {0}, one, true},
@@ -103,7 +106,10 @@ std::string format(const FakeCounts& c, long allocations) {
 // Three calls on `setup`; prints the counts of the first and the third. Returns the number of
 // calls whose bytes differ from the CPU executor's.
 int run(const Setup& setup) {
-  std::vector<std::vector<int32_t>> dev(kRanks, std::vector<int32_t>(kCount)), ref = dev;
+  const int nranks = int(setup.rank_lane.size());
+  std::vector<std::vector<int32_t>> dev(static_cast<size_t>(nranks),
+                                        std::vector<int32_t>(static_cast<size_t>(kCount)));
+  std::vector<std::vector<int32_t>> ref = dev;
   std::vector<rr::cuda::Lane> lanes;
   for (int d : setup.lane_device) {
     cudaSetDevice(d);
@@ -114,6 +120,7 @@ int run(const Setup& setup) {
   std::vector<unsigned char> stage;
   rr::cuda::RunOptions options;
   options.force_copy = setup.copy;
+  options.current_device = setup.lane_device[0];
   options.alloc = [&stage](int device, cudaStream_t, size_t bytes) -> void* {
     Driver own;
     if (stage.size() < bytes + 16) stage.assign(bytes + 16, 0);
@@ -126,21 +133,21 @@ int run(const Setup& setup) {
   for (int call = 0; call < 3; ++call) {
     std::vector<void*> ptrs;
     std::vector<const void*> cptrs;
-    for (int r = 0; r < kRanks; ++r) {
+    for (int r = 0; r < nranks; ++r) {
       fill(dev[size_t(r)], r, call);
       fill(ref[size_t(r)], r, call);
       ptrs.push_back(dev[size_t(r)].data());
       cptrs.push_back(dev[size_t(r)].data());
     }
-    const rr::Plan plan = rr::all_reduce_plan(cptrs.data(), ptrs.data(), kRanks, kCount, 4);
+    const rr::Plan plan = rr::all_reduce_plan(cptrs.data(), ptrs.data(), nranks, kCount, 4);
     fake_mark();
     g_allocations = 0;
     g_counting = true;
     if (oneshot(setup.path)) {
-      rr::cuda::run_oneshot(lanes[0], cptrs.data(), ptrs.data(), kRanks, kCount, DType::I32,
+      rr::cuda::run_oneshot(lanes[0], cptrs.data(), ptrs.data(), nranks, kCount, DType::I32,
                             Op::Sum);
     } else {
-      rr::cuda::run(plan, setup.rank_lane.data(), kRanks, lanes.data(), int(lanes.size()),
+      rr::cuda::run(plan, setup.rank_lane.data(), nranks, lanes.data(), int(lanes.size()),
                     DType::I32, Op::Sum, options);
     }
     g_counting = false;
@@ -151,7 +158,7 @@ int run(const Setup& setup) {
     if (!fake_drain()) ++wrong;
     std::vector<void*> refs;
     for (auto& v : ref) refs.push_back(v.data());
-    rr::cpu::all_reduce(refs.data(), kRanks, kCount, DType::I32, Op::Sum);
+    rr::cpu::all_reduce(refs.data(), nranks, kCount, DType::I32, Op::Sum);
     if (dev != ref) {
       std::printf("wrong: %s call %d\n", setup.name, call);
       ++wrong;

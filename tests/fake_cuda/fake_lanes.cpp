@@ -497,10 +497,15 @@ namespace rr {
 namespace cuda {
 
 __attribute__((weak)) void launch_step(const Task* tasks, int ntasks, DType dtype, Op op,
-                                       bool reduce, bool last, int nranks, cudaStream_t stream) {
+                                       bool reduce, bool last, int nranks, cudaStream_t stream,
+                                       int device) {
   if (inject_failure()) throw std::runtime_error("ringreduce: injected launch failure");
-  // A kernel runs on the current device's streams only.
+  // A kernel runs on the current device's streams only, and `device` names the current one.
   FakeStream* s = resolve(stream);
+  if (device != g.current) {
+    throw std::runtime_error("fake_lanes: launch_step told cuda:" + std::to_string(device) +
+                             " is current while cuda:" + std::to_string(g.current) + " is");
+  }
   if (s->device != g.current) {
     throw std::runtime_error("fake_lanes: launch on a stream of cuda:" +
                              std::to_string(s->device) + " while cuda:" +

@@ -9,6 +9,8 @@
 //   cost_driver          one line per path and call:
 //                        cost PATH call=K launches=L param_bytes=B allocations=A calls=NAME:C,...
 //                        then "cost: N wrong" (exit 1 if any)
+//   cost_driver PATH K   K calls on PATH only, printing nothing but the summary: for
+//                        valgrind --tool=callgrind --toggle-collect (bench/RESULTS.md)
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -105,7 +107,7 @@ std::string format(const FakeCounts& c, long allocations) {
 
 // Three calls on `setup`; prints the counts of the first and the third. Returns the number of
 // calls whose bytes differ from the CPU executor's.
-int run(const Setup& setup) {
+int run(const Setup& setup, int calls, bool print) {
   const int nranks = int(setup.rank_lane.size());
   std::vector<std::vector<int32_t>> dev(static_cast<size_t>(nranks),
                                         std::vector<int32_t>(static_cast<size_t>(kCount)));
@@ -130,7 +132,7 @@ int run(const Setup& setup) {
     return p;
   };
   int wrong = 0;
-  for (int call = 0; call < 3; ++call) {
+  for (int call = 0; call < calls; ++call) {
     std::vector<void*> ptrs;
     std::vector<const void*> cptrs;
     for (int r = 0; r < nranks; ++r) {
@@ -152,7 +154,7 @@ int run(const Setup& setup) {
     }
     g_counting = false;
     const FakeCounts counts = fake_counts();
-    if (call != 1) {
+    if (print && call != 1) {
       std::printf("cost %s call=%d %s\n", setup.name, call, format(counts, g_allocations).c_str());
     }
     if (!fake_drain()) ++wrong;
@@ -173,10 +175,13 @@ int run(const Setup& setup) {
 
 }  // namespace
 
-int main() {
+int main(int argc, char** argv) {
   fake_init(kDevices);
   int wrong = 0;
-  for (const Setup& s : setups()) wrong += run(s);
+  for (const Setup& s : setups()) {
+    if (argc == 3 && std::string(argv[1]) != s.name) continue;
+    wrong += argc == 3 ? run(s, std::atoi(argv[2]), false) : run(s, 3, true);
+  }
   std::printf("cost: %d wrong\n", wrong);
   return wrong == 0 ? 0 : 1;
 }

@@ -350,10 +350,8 @@ std::vector<std::string> execute(const rr::Plan& plan, rr::DType dtype, rr::Op o
       oneshot->bytes <= oneshot->max_bytes) {
     // One kernel instead of 2(N-1) ring steps, with the ring's bits; capturable, except on the
     // legacy default stream while another stream captures, which check_capture refuses.
-    rr::cuda::check_capture(lanes.data(), 1);
-    std::vector<const void*> in(oneshot->in.begin(), oneshot->in.end());
-    rr::cuda::launch_oneshot(in.data(), oneshot->out.data(), nranks, oneshot->count, dtype, op,
-                             lanes[0].stream);
+    rr::cuda::run_oneshot(lanes[0], oneshot->in.data(), oneshot->out.data(), nranks,
+                          oneshot->count, dtype, op);
     bump_versions(written);
     return staged;
   }
@@ -364,6 +362,7 @@ std::vector<std::string> execute(const rr::Plan& plan, rr::DType dtype, rr::Op o
   rr::cuda::RunOptions options;
   options.peer_access = peer_access;
   options.force_copy = transport == "copy";
+  options.current_device = ranks[0].get_device();  // device_guard made it current
   options.alloc = [&](int device, cudaStream_t stream, size_t bytes) -> void* {
     const auto dev = static_cast<c10::DeviceIndex>(device);
     c10::cuda::CUDAStreamGuard on(c10::cuda::getStreamFromExternal(stream, dev));

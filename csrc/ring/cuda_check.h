@@ -31,13 +31,25 @@ namespace cuda {
 namespace rr {
 namespace cuda {
 
+// The device the caller knows to be current (its own device guard made it so), or -1 when it
+// does not know.
+struct CurrentDevice {
+  int device = -1;
+};
+
 // Saves the caller's current device; set() switches only when needed; the destructor restores
 // the caller's device only if anything was switched (restoring an untouched device could
 // create a context on it).
 class DeviceGuard {
  public:
-  DeviceGuard() {
-    RR_CUDA_CHECK(cudaGetDevice(&saved_), "saving the current device");
+  DeviceGuard() : DeviceGuard(CurrentDevice{}) {}
+  // Trusts a known current device instead of asking the runtime (cudaGetDevice) for it.
+  explicit DeviceGuard(CurrentDevice known) {
+    if (known.device < 0) {
+      RR_CUDA_CHECK(cudaGetDevice(&saved_), "saving the current device");
+    } else {
+      saved_ = known.device;
+    }
     current_ = saved_;
   }
   explicit DeviceGuard(int device) : DeviceGuard() { set(device); }

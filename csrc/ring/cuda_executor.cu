@@ -4,6 +4,7 @@
 #include "cuda_executor.h"
 
 #include <algorithm>
+#include <array>
 #include <deque>
 #include <map>
 #include <mutex>
@@ -52,25 +53,32 @@ std::string describe(const Lane& lane, int index, bool several_per_device) {
   return s;
 }
 
-bool shares_device(const Lane* lanes, const std::vector<int>& used) {
-  for (size_t i = 0; i < used.size(); ++i) {
-    for (size_t j = i + 1; j < used.size(); ++j) {
+// The lanes a call runs on: used[i] for i < nused, or lanes 0..nused-1 when used is null.
+struct LaneList {
+  const int* used;
+  int nused;
+  int operator[](int i) const { return used != nullptr ? used[i] : i; }
+};
+
+bool shares_device(const Lane* lanes, LaneList used) {
+  for (int i = 0; i < used.nused; ++i) {
+    for (int j = i + 1; j < used.nused; ++j) {
       if (lanes[used[i]].device == lanes[used[j]].device) return true;
     }
   }
   return false;
 }
 
-// check_capture over lanes[used] (cuda_executor.h). A CUDA graph can hold a call only as
+// check_capture over `used` lanes (cuda_executor.h). A CUDA graph can hold a call only as
 // kernels on the capturing stream: events between lanes would join other streams (or devices)
 // into the capture. Asking is the first thing a call does on a lane, before peer access is
 // enabled (which could invalidate a global-mode capture), so a refusal leaves the caller's
 // capture and later eager calls unaffected.
-bool capture_check(const Lane* lanes, const std::vector<int>& used, DeviceGuard& guard) {
-  const bool shared_device = shares_device(lanes, used);
-  auto name = [&](int l) { return describe(lanes[l], l, shared_device); };
+bool capture_check(const Lane* lanes, LaneList used, DeviceGuard& guard) {
+  auto name = [&](int l) { return describe(lanes[l], l, shares_device(lanes, used)); };
   bool capturing = false;
-  for (int l : used) {
+  for (int i = 0; i < used.nused; ++i) {
+    const int l = used[i];
     guard.set(lanes[l].device);
     cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
     const cudaError_t err = cudaStreamIsCapturing(lanes[l].stream, &status);
@@ -85,10 +93,10 @@ bool capture_check(const Lane* lanes, const std::vector<int>& used, DeviceGuard&
     RR_CUDA_CHECK(err, "asking whether the stream of " + name(l) + " is being captured");
     if (status == cudaStreamCaptureStatusNone) continue;
     capturing = true;
-    if (used.size() > 1) {
+    if (used.nused > 1) {
       throw std::runtime_error(
           "ringreduce: this call cannot be captured in a CUDA graph: its ranks run on " +
-          std::to_string(used.size()) + " lanes (distinct devices or streams), which are "
+          std::to_string(used.nused) + " lanes (distinct devices or streams), which are "
           "ordered by events between them; capture needs every rank on one device and one "
           "stream");
     }
@@ -96,13 +104,28 @@ bool capture_check(const Lane* lanes, const std::vector<int>& used, DeviceGuard&
   return capturing;
 }
 
+// What run() works with, kept between calls (under g_mutex) and only cleared, so that a call
+// whose layout was seen before allocates nothing. Per lane unless said otherwise.
+struct Scratch {
+  std::vector<int> used;  // the lanes that hold ranks, in lane order
+  std::vector<int> slot;  // per rank: its staging slot, -1 when it reads its predecessor directly
+  std::vector<int> slots_on;
+  std::vector<char*> stage;
+  std::vector<std::vector<cudaEvent_t>*> events;
+  // The lanes of the lane's ranks' predecessors (whose memory it reads) and successors (which
+  // read its memory).
+  std::vector<std::vector<int>> neighbours;
+  std::vector<std::array<int, 3>> peer;  // (device, peer device, direct) as asked
+  std::vector<Task> tasks;
+  std::vector<int> waited;
+};
+Scratch g_scratch;
+
 }  // namespace
 
-bool check_capture(const Lane* lanes, int nlanes) {
-  std::vector<int> all;
-  for (int l = 0; l < nlanes; ++l) all.push_back(l);
-  DeviceGuard guard;
-  return capture_check(lanes, all, guard);
+bool check_capture(const Lane* lanes, int nlanes, int current_device) {
+  DeviceGuard guard(CurrentDevice{current_device});
+  return capture_check(lanes, LaneList{nullptr, nlanes}, guard);
 }
 
 void run(const Plan& plan, const int* rank_lane, int nranks, const Lane* lanes, int nlanes,
@@ -112,22 +135,23 @@ void run(const Plan& plan, const int* rank_lane, int nranks, const Lane* lanes, 
     throw std::runtime_error("ringreduce: at most " + std::to_string(kMaxRanks) +
                              " ranks are supported on CUDA, got " + std::to_string(nranks));
   }
-  std::vector<int> used;  // the lanes that hold ranks, in lane order
+  std::lock_guard<std::mutex> lock(g_mutex);
+  Scratch& x = g_scratch;
+  x.used.clear();
   for (int r = 0; r < nranks; ++r) {
     const int l = rank_lane[r];
     if (l < 0 || l >= nlanes) {
       throw std::logic_error("ringreduce internal error: rank " + std::to_string(r) +
                              " has lane " + std::to_string(l) + " of " + std::to_string(nlanes));
     }
-    if (std::find(used.begin(), used.end(), l) == used.end()) used.push_back(l);
+    if (std::find(x.used.begin(), x.used.end(), l) == x.used.end()) x.used.push_back(l);
   }
-  std::sort(used.begin(), used.end());
-  const bool multi = used.size() > 1;
-  const bool shared_device = shares_device(lanes, used);
-  auto name = [&](int l) { return describe(lanes[l], l, shared_device); };
+  std::sort(x.used.begin(), x.used.end());
+  const LaneList used{x.used.data(), int(x.used.size())};
+  const bool multi = used.nused > 1;
+  auto name = [&](int l) { return describe(lanes[l], l, shares_device(lanes, used)); };
 
-  std::lock_guard<std::mutex> lock(g_mutex);
-  DeviceGuard guard;
+  DeviceGuard guard(CurrentDevice{options.current_device});
   const int64_t steps = int64_t(plan.size());
   const int64_t esize = elem_size(dtype);
 
@@ -137,37 +161,33 @@ void run(const Plan& plan, const int* rank_lane, int nranks, const Lane* lanes, 
   // Which ranks read their predecessor through copies (into a staging slot for combine hops,
   // straight into place for copy hops), the slot of each, and the stride of the slots (the
   // largest combine hop, rounded up to keep every slot 16-byte aligned).
-  std::map<std::pair<int, int>, bool> peer;  // (device, peer device) -> direct
+  x.peer.clear();
   auto direct = [&](int r) {
     const int d = lanes[rank_lane[r]].device;
     const int pd = lanes[rank_lane[(r + nranks - 1) % nranks]].device;
     if (d == pd || !options.peer_access) return true;
-    auto it = peer.find({d, pd});
-    if (it == peer.end()) {
-      it = peer.emplace(std::make_pair(d, pd), options.peer_access(d, pd)).first;
+    for (const auto& p : x.peer) {
+      if (p[0] == d && p[1] == pd) return p[2] != 0;
     }
-    return it->second;
+    const bool ok = options.peer_access(d, pd);
+    x.peer.push_back({d, pd, ok ? 1 : 0});
+    return ok;
   };
-  std::vector<int> slot(size_t(nranks), -1);
-  std::map<int, int> slots_on;
+  x.slot.assign(size_t(nranks), -1);
+  x.slots_on.assign(size_t(nlanes), 0);
   for (int r = 0; r < nranks && nranks > 1; ++r) {
-    if (options.force_copy || !direct(r)) slot[size_t(r)] = slots_on[rank_lane[r]]++;
+    if (options.force_copy || !direct(r)) x.slot[size_t(r)] = x.slots_on[size_t(rank_lane[r])]++;
   }
   int64_t slot_bytes = 0;
-  for (const PlanStep& step : plan) {
-    for (const Move& m : step.moves) {
-      if (step.reduce && m.src_rank != m.rank && slot[size_t(m.rank)] >= 0) {
-        slot_bytes = std::max(slot_bytes, m.n * esize);
-      }
-    }
-  }
-  slot_bytes = stage_slot_stride(slot_bytes);
   bool staged = false;
   for (const PlanStep& step : plan) {
     for (const Move& m : step.moves) {
-      staged = staged || (m.src_rank != m.rank && slot[size_t(m.rank)] >= 0);
+      if (m.src_rank == m.rank || x.slot[size_t(m.rank)] < 0) continue;
+      staged = true;
+      if (step.reduce) slot_bytes = std::max(slot_bytes, m.n * esize);
     }
   }
+  slot_bytes = stage_slot_stride(slot_bytes);
   // Staging needs copies and scratch memory whose lifetime the graph would own.
   if (capturing && staged) {
     throw std::runtime_error(
@@ -176,57 +196,61 @@ void run(const Plan& plan, const int* rank_lane, int nranks, const Lane* lanes, 
         "peer access between neighbours); capture needs the default transport (p2p)");
   }
 
-  std::map<int, char*> stage;  // lane -> staging buffer
+  x.stage.assign(size_t(nlanes), nullptr);
   if (slot_bytes > 0) {
     if (!options.alloc) throw std::logic_error("ringreduce internal error: no staging allocator");
-    for (const auto& kv : slots_on) {
-      const Lane& lane = lanes[kv.first];
-      const size_t bytes = size_t(kv.second) * size_t(slot_bytes);
+    for (int i = 0; i < used.nused; ++i) {
+      const int l = used[i];
+      if (x.slots_on[size_t(l)] == 0) continue;
+      const Lane& lane = lanes[l];
+      const size_t bytes = size_t(x.slots_on[size_t(l)]) * size_t(slot_bytes);
       void* p = options.alloc(lane.device, lane.stream, bytes);
       if (p == nullptr) {
         throw std::runtime_error("ringreduce: could not allocate a " + std::to_string(bytes) +
-                                 "-byte staging buffer on " + name(kv.first));
+                                 "-byte staging buffer on " + name(l));
       }
-      stage[kv.first] = static_cast<char*>(p);
+      x.stage[size_t(l)] = static_cast<char*>(p);
     }
   }
 
-  std::map<int, std::vector<cudaEvent_t>*> events;
-  if (multi) {
-    std::map<int, size_t> ordinal;  // lanes met so far per device
-    for (int l : used) {
-      const int d = lanes[l].device;
-      events[l] = &lane_events(guard, d, ordinal[d]++, size_t(steps + 2));
-    }
+  x.events.assign(size_t(nlanes), nullptr);
+  if (x.neighbours.size() < size_t(nlanes)) x.neighbours.resize(size_t(nlanes));
+  for (int i = 0; i < used.nused && multi; ++i) {
+    const int l = used[i];
+    size_t ordinal = 0;  // the lane's place among the call's lanes on its device
+    for (int j = 0; j < i; ++j) ordinal += lanes[used[j]].device == lanes[l].device;
+    x.events[size_t(l)] = &lane_events(guard, lanes[l].device, ordinal, size_t(steps + 2));
+    x.neighbours[size_t(l)].clear();
   }
-
-  // A lane's ring neighbours: the lanes of its ranks' predecessors (whose memory it reads) and
-  // successors (which read its memory).
-  std::map<int, std::vector<int>> neighbours;
   for (int r = 0; r < nranks && multi; ++r) {
     const int l = rank_lane[r];
     for (int o : {rank_lane[(r + nranks - 1) % nranks], rank_lane[(r + 1) % nranks]}) {
-      std::vector<int>& n = neighbours[l];
+      std::vector<int>& n = x.neighbours[size_t(l)];
       if (o != l && std::find(n.begin(), n.end(), o) == n.end()) n.push_back(o);
     }
   }
   // Makes every lane wait for what its ring neighbours (every other lane, with `all`) queued up
   // to their event `e`: 2 waits a lane instead of N-1.
   auto barrier = [&](size_t e, const char* what, bool all) {
-    for (int l : used) {
+    for (int i = 0; i < used.nused; ++i) {
+      const int l = used[i];
       guard.set(lanes[l].device);
-      RR_CUDA_CHECK(cudaEventRecord((*events[l])[e], lanes[l].stream),
+      RR_CUDA_CHECK(cudaEventRecord((*x.events[size_t(l)])[e], lanes[l].stream),
                     std::string(what) + " on " + name(l));
     }
-    for (int l : used) {
+    for (int i = 0; i < used.nused; ++i) {
+      const int l = used[i];
       guard.set(lanes[l].device);
-      for (int o : all ? used : neighbours[l]) {
+      const std::vector<int>& others = all ? x.used : x.neighbours[size_t(l)];
+      for (int o : others) {
         if (o == l) continue;
-        RR_CUDA_CHECK(cudaStreamWaitEvent(lanes[l].stream, (*events[o])[e], 0),
+        RR_CUDA_CHECK(cudaStreamWaitEvent(lanes[l].stream, (*x.events[size_t(o)])[e], 0),
                       std::string(what) + ": ordering " + name(l) + " after " + name(o));
       }
     }
   };
+  // Error text, built only when a call fails.
+  auto at_step = [&](int64_t k, int l) { return "ring step " + std::to_string(k) + " on " + name(l); };
 
   try {
     // Entry: no lane reads its predecessor's buffers before that lane's earlier work (the
@@ -234,49 +258,46 @@ void run(const Plan& plan, const int* rank_lane, int nranks, const Lane* lanes, 
     // ordered before it by that call's exit; the wait on them costs one call and keeps the
     // barrier symmetric.)
     if (multi) barrier(0, "entering the ring", false);
-    std::vector<Task> tasks;
-    std::vector<int> waited;
     for (int64_t k = 0; k < steps; ++k) {
       const PlanStep& step = plan[size_t(k)];
-      const std::string where = "ring step " + std::to_string(k) + " on ";
-      for (int l : used) {
+      for (int i = 0; i < used.nused; ++i) {
+        const int l = used[i];
         const Lane& lane = lanes[l];
         guard.set(lane.device);
-        tasks.clear();
-        waited.clear();
+        x.tasks.clear();
+        x.waited.clear();
         for (const Move& m : step.moves) {
           if (rank_lane[m.rank] != l) continue;
           const int pl = rank_lane[m.src_rank];
           // A move at step k reads what its predecessor wrote at step k-1 (entry covers k = 0).
-          if (pl != l && k > 0 && std::find(waited.begin(), waited.end(), pl) == waited.end()) {
-            RR_CUDA_CHECK(cudaStreamWaitEvent(lane.stream, (*events[pl])[size_t(k)], 0),
-                          where + name(l) + " waiting for " + name(pl));
-            waited.push_back(pl);
+          if (pl != l && k > 0 &&
+              std::find(x.waited.begin(), x.waited.end(), pl) == x.waited.end()) {
+            RR_CUDA_CHECK(
+                cudaStreamWaitEvent(lane.stream, (*x.events[size_t(pl)])[size_t(k)], 0),
+                at_step(k, l) + " waiting for " + name(pl));
+            x.waited.push_back(pl);
           }
           const void* src = m.src;
-          if (m.src_rank != m.rank && slot[size_t(m.rank)] >= 0) {
+          if (m.src_rank != m.rank && x.slot[size_t(m.rank)] >= 0) {
             const size_t bytes = size_t(m.n * esize);
             const int pd = lanes[pl].device;
             if (!step.reduce) {
               RR_CUDA_CHECK(cudaMemcpyPeerAsync(m.dst, lane.device, src, pd, bytes, lane.stream),
-                            "copying " + where + name(l));
+                            "copying " + at_step(k, l));
               continue;
             }
-            char* tmp = stage[l] + int64_t(slot[size_t(m.rank)]) * slot_bytes;
+            char* tmp = x.stage[size_t(l)] + int64_t(x.slot[size_t(m.rank)]) * slot_bytes;
             RR_CUDA_CHECK(cudaMemcpyPeerAsync(tmp, lane.device, src, pd, bytes, lane.stream),
-                          "staging " + where + name(l));
+                          "staging " + at_step(k, l));
             src = tmp;
           }
-          tasks.push_back(Task{m.dst, src, m.n, m.own});
+          x.tasks.push_back(Task{m.dst, src, m.n, m.own});
         }
-        for (size_t i = 0; i < tasks.size(); i += kMaxRanks) {
-          const int batch = int(std::min(tasks.size() - i, size_t(kMaxRanks)));
-          launch_step(tasks.data() + i, batch, dtype, op, step.reduce, step.last, nranks,
-                      lane.stream);
-        }
+        launch_step(x.tasks.data(), int(x.tasks.size()), dtype, op, step.reduce, step.last,
+                    nranks, lane.stream, lane.device);
         if (multi) {
-          RR_CUDA_CHECK(cudaEventRecord((*events[l])[size_t(1 + k)], lane.stream),
-                        where + name(l));
+          RR_CUDA_CHECK(cudaEventRecord((*x.events[size_t(l)])[size_t(1 + k)], lane.stream),
+                        at_step(k, l));
         }
       }
     }

@@ -44,9 +44,15 @@ struct RunOptions {
   bool force_copy = false;
   // Staging buffers, asked for only when some hop is staged.
   StageAlloc alloc;
+  // The device current when run() is called, if the caller knows it (its device guard set it):
+  // spares a cudaGetDevice. -1: run() asks.
+  int current_device = -1;
 };
 
-// Runs a plan (plan.h); rank r runs on lanes[rank_lane[r]]. The call is ordered after the work
+// Runs a plan (plan.h); rank r runs on lanes[rank_lane[r]]. In the steady state (a layout seen
+// before) a call makes no heap allocation and, per lane, asks the runtime only for the capture
+// check, its launches (one per step), and with several lanes its event records and waits
+// (tests/test_cuda_host_cost.py pins the counts). The call is ordered after the work
 // already queued on every lane, and work queued on any lane afterwards sees the result and may
 // overwrite the ranks' buffers. Everything that can fail before any work is queued is checked
 // first (lanes, ranks, stream capture, staging); an error while queuing makes every lane wait
@@ -63,8 +69,8 @@ void run(const Plan& plan, const int* rank_lane, int nranks, const Lane* lanes, 
 // ("cannot be captured") when several lanes are given and one of them is, and when a lane is
 // the legacy default stream while another stream of its device is being captured
 // (cudaStreamIsCapturing's cudaErrorStreamCaptureImplicit: launching there would fail and could
-// invalidate that capture).
-bool check_capture(const Lane* lanes, int nlanes);
+// invalidate that capture). `current_device` as RunOptions::current_device.
+bool check_capture(const Lane* lanes, int nlanes, int current_device = -1);
 
 }  // namespace cuda
 }  // namespace rr

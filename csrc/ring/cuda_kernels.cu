@@ -28,7 +28,7 @@ namespace cuda {
 namespace {
 
 struct StepParams {
-  Task task[kMaxRanks];
+  Task task[kStepTasks];
   int nranks;
 };
 
@@ -44,6 +44,38 @@ __global__ void __launch_bounds__(kStepThreads) step_kernel(const __grid_constan
 template <typename T, Op op, bool kReduce, bool kLast>
 const void* kernel_ptr() {
   return reinterpret_cast<const void*>(&step_kernel<T, op, kReduce, kLast>);
+}
+
+// One step kernel's launches, kStepTasks tasks each. Launched through the kernel's typed
+// pointer (CUDA's template overload of cudaLaunchKernel), so that the fake runtime of
+// tests/fake_cuda can run the kernel and count its parameters' bytes.
+template <typename T, Op op, bool kReduce, bool kLast>
+void launch_steps(const Task* tasks, int ntasks, DType dtype, Op caller_op, int nranks,
+                  cudaStream_t stream, int device) {
+  static ResidentCache resident;
+  for (int i = 0; i < ntasks; i += kStepTasks) {
+    const int batch = std::min(kStepTasks, ntasks - i);
+    StepParams p;
+    int64_t max_n = 0;
+    for (int j = 0; j < batch; ++j) {
+      p.task[j] = tasks[i + j];
+      max_n = std::max(max_n, tasks[i + j].n);
+    }
+    p.nranks = nranks;
+    if (max_n == 0) continue;
+    // One full wave of resident blocks across all tasks of the launch fills the chip; how many
+    // fit per SM depends on each instantiation's registers (docs/PTXAS.md).
+    const dim3 grid(unsigned(step_grid_x(max_n, elem_size(dtype), batch,
+                                         resident.get(kernel_ptr<T, op, kReduce, kLast>(),
+                                                      kStepThreads, device))),
+                    unsigned(batch));
+    void* args[] = {&p};
+    RR_CUDA_CHECK(cudaLaunchKernel(&step_kernel<T, op, kReduce, kLast>, grid,
+                                   dim3(kStepThreads), args, 0, stream),
+                  std::string("launching the ") + (kReduce ? "reduce" : "copy") +
+                      " kernel for " + dtype_name(dtype) + " " + op_name(caller_op) +
+                      " on cuda:" + std::to_string(device));
+  }
 }
 
 int sm_count(int device) {
@@ -78,34 +110,24 @@ std::map<int, bool> g_supported;
 }  // namespace
 
 void launch_step(const Task* tasks, int ntasks, DType dtype, Op op, bool reduce, bool last,
-                 int nranks, cudaStream_t stream) {
+                 int nranks, cudaStream_t stream, int device) {
   if (ntasks <= 0) return;
   if (ntasks > kMaxRanks) throw std::runtime_error("ringreduce: too many tasks in one step");
-  StepParams p;
-  int64_t max_n = 0;
-  for (int i = 0; i < ntasks; ++i) {
-    p.task[i] = tasks[i];
-    max_n = std::max(max_n, tasks[i].n);
-  }
-  p.nranks = nranks;
-  if (max_n == 0) return;
-  int device = 0;
-  RR_CUDA_CHECK(cudaGetDevice(&device), "launching a ring step");
-  const void* fn = nullptr;
   // Copies do not depend on the operator: one copy kernel per dtype.
   RR_DISPATCH(dtype, reduce ? op : Op::Sum,
-              fn = reduce ? (last ? kernel_ptr<T, kOp, true, true>()
-                                  : kernel_ptr<T, kOp, true, false>())
-                          : kernel_ptr<T, kOp, false, false>());
-  // One full wave of resident blocks across all tasks of the launch fills the chip; how many
-  // fit per SM depends on each instantiation's registers (docs/PTXAS.md).
-  const dim3 grid(unsigned(step_grid_x(max_n, elem_size(dtype), ntasks,
-                                       resident_blocks(fn, kStepThreads, device))),
-                  unsigned(ntasks));
-  void* args[] = {&p};
-  RR_CUDA_CHECK(cudaLaunchKernel(fn, grid, dim3(kStepThreads), args, 0, stream),
-                std::string("launching the ") + (reduce ? "reduce" : "copy") + " kernel for " +
-                    dtype_name(dtype) + " " + op_name(op) + " on cuda:" + std::to_string(device));
+              reduce ? (last ? launch_steps<T, kOp, true, true>(tasks, ntasks, dtype, op,
+                                                                 nranks, stream, device)
+                             : launch_steps<T, kOp, true, false>(tasks, ntasks, dtype, op,
+                                                                  nranks, stream, device))
+                     : launch_steps<T, kOp, false, false>(tasks, ntasks, dtype, op, nranks,
+                                                          stream, device));
+}
+
+void launch_step(const Task* tasks, int ntasks, DType dtype, Op op, bool reduce, bool last,
+                 int nranks, cudaStream_t stream) {
+  int device = 0;
+  RR_CUDA_CHECK(cudaGetDevice(&device), "launching a ring step");
+  launch_step(tasks, ntasks, dtype, op, reduce, last, nranks, stream, device);
 }
 
 int64_t resident_blocks(const void* fn, int threads, int device) {

@@ -5,6 +5,7 @@
 
 #include <cstdint>
 
+#include "cuda_executor.h"
 #include "types.h"
 
 namespace rr {
@@ -17,10 +18,18 @@ namespace cuda {
 // simulated ranks on that device, or buffers on other devices with peer access enabled. The
 // kernel orders nothing across devices: the caller makes `stream` wait for the writes of every
 // input and for earlier reads of every output, and makes later users of out[r] on other devices
-// wait for this kernel. Throws std::invalid_argument for bad arguments and std::runtime_error
-// naming the dtype, op and device when the launch fails.
+// wait for this kernel. `device` is the current device. Throws std::invalid_argument for bad
+// arguments and std::runtime_error naming the dtype, op and device when the launch fails. One
+// runtime call, the launch, once the device's occupancy of the kernel is known.
 void launch_oneshot(const void* const* in, void* const* out, int nranks, int64_t count,
-                    DType dtype, Op op, cudaStream_t stream);
+                    DType dtype, Op op, cudaStream_t stream, int device);
+
+// The list API's one-shot all-reduce on one lane (every rank on one stream of lane.device, which
+// is current): check_capture (cuda_executor.h: a refusal on the legacy default stream while
+// another stream captures), then launch_oneshot. Two runtime calls: the capture check and the
+// launch.
+void run_oneshot(const Lane& lane, const void* const* in, void* const* out, int nranks,
+                 int64_t count, DType dtype, Op op);
 
 }  // namespace cuda
 }  // namespace rr

@@ -1,5 +1,6 @@
 """Builds the C++ test drivers with the host compiler: `build` with a fake CUDA runtime
-(tests/test_cuda_protocol.py, test_cuda_lanes.py, test_step_kernel.py, test_launch_geometry.py),
+(tests/test_cuda_protocol.py, test_cuda_lanes.py, test_cuda_host_cost.py, test_step_kernel.py,
+test_launch_geometry.py),
 `compile_program` without one (tests/test_fused.py, test_oneshot.py)."""
 import os
 import shutil

@@ -1,5 +1,7 @@
 // The lazy fake CUDA runtime of include/fake_lanes.h, plus launch_step of
-// csrc/ring/cuda_kernels.h (the executor's kernels, run by the CPU executor's combine).
+// csrc/ring/cuda_kernels.h (the executor's kernels, run by the CPU executor's combine). That
+// launch_step is weak: tests/test_cuda_host_cost.py links the real one (cuda_kernels.cu compiled
+// by the host compiler), whose kernels run through cudaLaunchKernel below.
 // Single-threaded: the executor queues, fake_drain() runs.
 #include "fake_lanes.h"
 
@@ -63,9 +65,17 @@ struct State {
   long violations = 0;
   std::string first_violation;
   std::map<std::pair<int, int>, long> peer_copies;  // (dst device, src device) -> calls
+  FakeCounts counts;
+  int sms = 4, blocks_per_sm = 2;
 };
 
 State g;
+thread_local int g_inside = 0;
+
+// Counts a runtime call; the scope marks the fake's own allocations.
+struct Call : FakeScope {
+  explicit Call(const char* name) { ++g.counts.calls[name]; }
+};
 
 // Stream 0 is the current device's legacy default stream.
 FakeStream* resolve(cudaStream_t s);
@@ -114,6 +124,18 @@ bool runnable(const FakeStream& s) {
 
 }  // namespace
 
+FakeScope::FakeScope() { ++g_inside; }
+FakeScope::~FakeScope() { --g_inside; }
+bool fake_inside() { return g_inside > 0; }
+FakeCounts fake_counts() { return g.counts; }
+void fake_set_capacity(int sms, int blocks_per_sm) {
+  g.sms = sms;
+  g.blocks_per_sm = blocks_per_sm;
+}
+
+thread_local uint3 blockIdx, threadIdx;
+thread_local dim3 blockDim, gridDim;
+
 void fake_init(int ndevices) { g.ndevices = ndevices; }
 
 cudaStream_t fake_stream(int device) {
@@ -157,6 +179,7 @@ long fake_peer_copies(int dst_device, int src_device) {
 }
 
 cudaError_t cudaDeviceCanAccessPeer(int* can, int device, int peer) {
+  Call call("cudaDeviceCanAccessPeer");
   if (device < 0 || device >= g.ndevices || peer < 0 || peer >= g.ndevices) {
     return cudaErrorInvalidDevice;
   }
@@ -165,6 +188,7 @@ cudaError_t cudaDeviceCanAccessPeer(int* can, int device, int peer) {
 }
 
 cudaError_t cudaDeviceEnablePeerAccess(int peer, unsigned) {
+  Call call("cudaDeviceEnablePeerAccess");
   int can = 0;
   const cudaError_t err = cudaDeviceCanAccessPeer(&can, g.current, peer);
   if (err != cudaSuccess) return err;
@@ -290,14 +314,19 @@ void fake_mark() {
   ++g.mark;
   g.log.clear();
   g.failable = 0;
+  g.counts = FakeCounts();
 }
 
 long fake_stale_waits() { return g.stale; }
 std::string fake_log() { return g.log; }
 long fake_failable_calls() { return g.failable; }
 
-cudaError_t cudaGetLastError() { return cudaSuccess; }
+cudaError_t cudaGetLastError() {
+  Call call("cudaGetLastError");
+  return cudaSuccess;
+}
 const char* cudaGetErrorName(cudaError_t err) {
+  Call call("cudaGetErrorName");
   switch (err) {
     case cudaSuccess: return "cudaSuccess";
     case cudaErrorInvalidValue: return "cudaErrorInvalidValue";
@@ -305,20 +334,100 @@ const char* cudaGetErrorName(cudaError_t err) {
     default: return "cudaErrorFake";
   }
 }
-const char* cudaGetErrorString(cudaError_t) { return "an error of the fake runtime fake_lanes"; }
+const char* cudaGetErrorString(cudaError_t) {
+  Call call("cudaGetErrorString");
+  return "an error of the fake runtime fake_lanes";
+}
+
+cudaError_t cudaGetDeviceCount(int* count) {
+  Call call("cudaGetDeviceCount");
+  *count = g.ndevices;
+  return cudaSuccess;
+}
+
+cudaError_t cudaDeviceGetAttribute(int* value, cudaDeviceAttr attr, int device) {
+  Call call("cudaDeviceGetAttribute");
+  if (device < 0 || device >= g.ndevices) return cudaErrorInvalidDevice;
+  switch (attr) {
+    case cudaDevAttrMultiProcessorCount: *value = g.sms; return cudaSuccess;
+    case cudaDevAttrComputeCapabilityMajor: *value = 9; return cudaSuccess;
+    case cudaDevAttrComputeCapabilityMinor: *value = 0; return cudaSuccess;
+    case cudaDevAttrCooperativeLaunch: *value = 1; return cudaSuccess;
+  }
+  return cudaErrorInvalidValue;
+}
+
+cudaError_t cudaGetDeviceProperties(cudaDeviceProp* prop, int device) {
+  Call call("cudaGetDeviceProperties");
+  if (device < 0 || device >= g.ndevices) return cudaErrorInvalidDevice;
+  *prop = cudaDeviceProp{};
+  std::snprintf(prop->name, sizeof(prop->name), "fake_lanes device %d", device);
+  return cudaSuccess;
+}
+
+cudaError_t cudaOccupancyMaxActiveBlocksPerMultiprocessor(int* blocks, const void*, int, size_t) {
+  Call call("cudaOccupancyMaxActiveBlocksPerMultiprocessor");
+  *blocks = g.blocks_per_sm;
+  return cudaSuccess;
+}
+
+cudaError_t cudaFuncGetAttributes(cudaFuncAttributes* attr, const void*) {
+  Call call("cudaFuncGetAttributes");
+  *attr = cudaFuncAttributes{32, 1024};
+  return cudaSuccess;
+}
+
+cudaError_t cudaLaunchKernel(const void*, dim3, dim3, void**, size_t, cudaStream_t) {
+  Call call("cudaLaunchKernel");
+  std::fprintf(stderr, "fake_lanes: an untyped cudaLaunchKernel cannot run\n");
+  return cudaErrorInvalidDeviceFunction;
+}
+
+cudaError_t fake_launch_kernel(const void*, dim3 grid, dim3 block, size_t param_bytes,
+                               cudaStream_t stream, std::function<void()> thread) {
+  Call call("cudaLaunchKernel");
+  if (inject_failure()) return cudaErrorUnknown;
+  FakeStream* s = resolve(stream);
+  // As on a GPU: a kernel runs only on a stream of the current device.
+  if (s->device != g.current) return cudaErrorInvalidResourceHandle;
+  if (grid.x == 0 || grid.y == 0 || grid.z == 0 || block.x == 0) return cudaErrorInvalidValue;
+  ++g.counts.launches;
+  g.counts.param_bytes += long(param_bytes);
+  FakeOperation op;
+  op.fn = [grid, block, thread = std::move(thread)] {
+    gridDim = grid;
+    blockDim = block;
+    for (unsigned z = 0; z < grid.z; ++z) {
+      for (unsigned y = 0; y < grid.y; ++y) {
+        for (unsigned x = 0; x < grid.x; ++x) {
+          blockIdx = uint3{x, y, z};
+          for (unsigned t = 0; t < block.x * block.y * block.z; ++t) {
+            threadIdx = uint3{t % block.x, t / block.x % block.y, t / (block.x * block.y)};
+            thread();
+          }
+        }
+      }
+    }
+  };
+  return queue(s, std::move(op), 'L');
+}
+
 
 cudaError_t cudaGetDevice(int* device) {
+  Call call("cudaGetDevice");
   *device = g.current;
   return cudaSuccess;
 }
 
 cudaError_t cudaSetDevice(int device) {
+  Call call("cudaSetDevice");
   if (device < 0 || device >= g.ndevices) return cudaErrorInvalidValue;
   g.current = device;
   return cudaSuccess;
 }
 
 cudaError_t cudaEventCreateWithFlags(cudaEvent_t* event, unsigned) {
+  Call call("cudaEventCreateWithFlags");
   if (inject_failure()) return cudaErrorUnknown;
   g.events.push_back(std::make_unique<FakeEvent>());
   g.events.back()->device = g.current;
@@ -327,6 +436,7 @@ cudaError_t cudaEventCreateWithFlags(cudaEvent_t* event, unsigned) {
 }
 
 cudaError_t cudaEventRecord(cudaEvent_t event, cudaStream_t stream) {
+  Call call("cudaEventRecord");
   if (inject_failure()) return cudaErrorUnknown;
   // As on a GPU, an event is recorded only on a stream of the device it was created on.
   if (event == nullptr) return cudaErrorInvalidValue;
@@ -342,6 +452,7 @@ cudaError_t cudaEventRecord(cudaEvent_t event, cudaStream_t stream) {
 }
 
 cudaError_t cudaStreamWaitEvent(cudaStream_t stream, cudaEvent_t event, unsigned) {
+  Call call("cudaStreamWaitEvent");
   if (inject_failure()) return cudaErrorUnknown;
   if (event == nullptr) return cudaErrorInvalidValue;
   if (event->latest != 0 && event->latest_mark != g.mark) ++g.stale;
@@ -356,6 +467,7 @@ cudaError_t cudaStreamWaitEvent(cudaStream_t stream, cudaEvent_t event, unsigned
 
 cudaError_t cudaMemcpyPeerAsync(void* dst, int dst_device, const void* src, int src_device,
                                 size_t bytes, cudaStream_t stream) {
+  Call call("cudaMemcpyPeerAsync");
   if (inject_failure()) return cudaErrorUnknown;
   if (resolve(stream)->device != dst_device || src_device < 0 || src_device >= g.ndevices) {
     return cudaErrorInvalidValue;
@@ -373,6 +485,7 @@ cudaError_t cudaMemcpyPeerAsync(void* dst, int dst_device, const void* src, int 
 }
 
 cudaError_t cudaStreamIsCapturing(cudaStream_t stream, cudaStreamCaptureStatus* status) {
+  Call call("cudaStreamIsCapturing");
   if (inject_failure()) return cudaErrorUnknown;
   FakeStream* s = resolve(stream);
   if (s->capture_implicit) return cudaErrorStreamCaptureImplicit;
@@ -383,11 +496,16 @@ cudaError_t cudaStreamIsCapturing(cudaStream_t stream, cudaStreamCaptureStatus* 
 namespace rr {
 namespace cuda {
 
-void launch_step(const Task* tasks, int ntasks, DType dtype, Op op, bool reduce, bool last,
-                 int nranks, cudaStream_t stream) {
+__attribute__((weak)) void launch_step(const Task* tasks, int ntasks, DType dtype, Op op,
+                                       bool reduce, bool last, int nranks, cudaStream_t stream,
+                                       int device) {
   if (inject_failure()) throw std::runtime_error("ringreduce: injected launch failure");
-  // A kernel runs on the current device's streams only.
+  // A kernel runs on the current device's streams only, and `device` names the current one.
   FakeStream* s = resolve(stream);
+  if (device != g.current) {
+    throw std::runtime_error("fake_lanes: launch_step told cuda:" + std::to_string(device) +
+                             " is current while cuda:" + std::to_string(g.current) + " is");
+  }
   if (s->device != g.current) {
     throw std::runtime_error("fake_lanes: launch on a stream of cuda:" +
                              std::to_string(s->device) + " while cuda:" +

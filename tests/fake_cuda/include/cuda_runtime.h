@@ -25,15 +25,24 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <functional>
+#include <tuple>
+#include <type_traits>
+#include <utility>
 
 enum cudaError_t {
   cudaSuccess = 0,
   cudaErrorInvalidValue = 1,
+  cudaErrorInsufficientDriver = 35,
+  cudaErrorInvalidDeviceFunction = 98,
+  cudaErrorNoDevice = 100,
   cudaErrorInvalidDevice = 101,
+  cudaErrorNoKernelImageForDevice = 209,
   cudaErrorPeerAccessUnsupported = 217,
   cudaErrorInvalidResourceHandle = 400,
   cudaErrorNotReady = 600,
   cudaErrorPeerAccessAlreadyEnabled = 704,
+  cudaErrorCooperativeLaunchTooLarge = 720,
   cudaErrorStreamCaptureUnsupported = 900,
   cudaErrorStreamCaptureImplicit = 906,
   cudaErrorUnknown = 999
@@ -58,6 +67,13 @@ enum cudaStreamCaptureMode {
   cudaStreamCaptureModeThreadLocal = 1,
   cudaStreamCaptureModeRelaxed = 2
 };
+enum cudaDeviceAttr {
+  cudaDevAttrMultiProcessorCount = 16,
+  cudaDevAttrComputeCapabilityMajor = 75,
+  cudaDevAttrComputeCapabilityMinor = 76,
+  cudaDevAttrCooperativeLaunch = 95
+};
+struct cudaFuncAttributes { int numRegs; int maxThreadsPerBlock; };
 #define cudaEventDisableTiming 0x02u
 #define cudaEventInterprocess 0x04u
 #define cudaStreamNonBlocking 0x01u
@@ -93,6 +109,58 @@ cudaError_t cudaMemcpyPeerAsync(void* dst, int dst_device, const void* src, int 
 cudaError_t cudaStreamIsCapturing(cudaStream_t stream, cudaStreamCaptureStatus* status);
 // Only fake_capture.cpp implements it (tests/test_capture_mode.py).
 cudaError_t cudaThreadExchangeStreamCaptureMode(cudaStreamCaptureMode* mode);
+
+// Only fake_lanes.cpp implements these (tests/test_cuda_host_cost.py): the device queries and
+// kernel launches of csrc/ring/cuda_kernels.cu and oneshot_kernel.cu compiled by the host
+// compiler. A kernel is then a host function run for every (block, thread) of its grid with the
+// built-in index variables below set; a launch through the typed overload (the kernel's own
+// pointer, as real CUDA's template overload takes it) copies its parameters when it is called,
+// as CUDA does, and counts their bytes.
+struct uint3 { unsigned x, y, z; };
+struct dim3 {
+  unsigned x, y, z;
+  constexpr dim3(unsigned x_ = 1, unsigned y_ = 1, unsigned z_ = 1) : x(x_), y(y_), z(z_) {}
+};
+extern thread_local uint3 blockIdx, threadIdx;
+extern thread_local dim3 blockDim, gridDim;
+#define __global__
+#define __launch_bounds__(...)
+#define __grid_constant__
+cudaError_t cudaGetDeviceCount(int* count);
+cudaError_t cudaDeviceGetAttribute(int* value, cudaDeviceAttr attr, int device);
+cudaError_t cudaOccupancyMaxActiveBlocksPerMultiprocessor(int* blocks, const void* fn, int threads,
+                                                          size_t shared);
+cudaError_t cudaFuncGetAttributes(cudaFuncAttributes* attr, const void* fn);
+// An untyped launch: counted, and refused (the fake cannot run a kernel it knows only by address).
+cudaError_t cudaLaunchKernel(const void* fn, dim3 grid, dim3 block, void** args, size_t shared,
+                             cudaStream_t stream);
+// Marks the fake's own work (its allocations are not the caller's: fake_lanes.h's counts).
+struct FakeScope {
+  FakeScope();
+  ~FakeScope();
+};
+// What the typed overload hands the fake: the kernel run for one thread (indices set).
+cudaError_t fake_launch_kernel(const void* fn, dim3 grid, dim3 block,
+                               size_t param_bytes, cudaStream_t stream,
+                               std::function<void()> thread);
+// Out of line, so that callgrind counts the fake's work in its own function (bench/RESULTS.md
+// subtracts it from the executor's).
+template <typename... P, size_t... I>
+__attribute__((noinline)) cudaError_t fake_launch_typed(void (*fn)(P...), dim3 grid, dim3 block,
+                              void** args, cudaStream_t stream, std::index_sequence<I...>) {
+  FakeScope fake;
+  std::tuple<std::decay_t<P>...> params{*static_cast<std::decay_t<P>*>(args[I])...};
+  return fake_launch_kernel(reinterpret_cast<const void*>(fn), grid, block,
+                            (size_t(0) + ... + sizeof(std::decay_t<P>)), stream,
+                            [fn, params] { fn(std::get<I>(params)...); });
+}
+template <typename... P>
+inline __attribute__((always_inline)) cudaError_t cudaLaunchKernel(void (*fn)(P...), dim3 grid, dim3 block, void** args,
+                             size_t shared = 0, cudaStream_t stream = nullptr) {
+  return shared != 0 ? cudaErrorInvalidValue
+                     : fake_launch_typed(fn, grid, block, args, stream,
+                                         std::index_sequence_for<P...>());
+}
 
 // Test-only: blocks until everything queued on `stream` has run.
 void fake_stream_sync(cudaStream_t stream);

@@ -23,6 +23,7 @@
 #include <cuda_runtime.h>
 
 #include <functional>
+#include <map>
 #include <string>
 
 enum FakePolicy {
@@ -79,3 +80,17 @@ void fake_refuse_peer(int a, int b);
 long fake_device_violations(std::string* first = nullptr);
 // cudaMemcpyPeerAsync calls so far from memory of `src_device` into memory of `dst_device`.
 long fake_peer_copies(int dst_device, int src_device);
+
+// What the host asked of the runtime since fake_mark(): every CUDA runtime call by name (failed
+// ones included), the kernels launched and the bytes of their parameters (typed launches).
+struct FakeCounts {
+  std::map<std::string, long> calls;
+  long launches = 0;
+  long param_bytes = 0;
+};
+FakeCounts fake_counts();
+// Whether the calling thread is inside the fake (FakeScope): allocations made there are the
+// fake's, not its caller's.
+bool fake_inside();
+// Devices report this many SMs and blocks of any kernel per SM (default 4 and 2).
+void fake_set_capacity(int sms, int blocks_per_sm);

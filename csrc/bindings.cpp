@@ -671,5 +671,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         pybind11::arg("timeout_s") = 10.0);
   m.def("fused_flags_bytes", &rr::fused_flags_bytes);
   m.def("build_info", &build_info);
+  // For tests: the float sum loops that ran last in this process (cpu_executor.h).
+  m.def("cpu_simd_ran", []() -> pybind11::object {
+    static const char* const kNames[] = {"baseline", "avx2", "avx512"};
+    const int width = rr::cpu::simd_width_ran();
+    if (width < 0) return pybind11::none();
+    return pybind11::str(kNames[width]);
+  });
   m.def("peer_access", &peer_access);
 }

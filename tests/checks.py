@@ -9,9 +9,9 @@ inputs were written.
 
 Also what every GPU test module shares: `needs_cuda` (skip, or fail under
 RINGREDUCE_REQUIRE_CUDA=1, where no GPU test can run) and `sleep_cycles`; and the helpers more
-than one test module needs: `free_port`, `communicate_bounded`, `run_bounded`, `load_module`
-(bench/ scripts), `small_net`/`ddp_steps` (the DDP model), `thread_count`, `fd_count`,
-`anon_rss_kib`, `heap_bytes`.
+than one test module needs: `free_port`, `communicate_bounded`, `run_bounded`, `alive`,
+`load_module` (bench/ scripts), `small_net`/`ddp_steps` (the DDP model), `thread_count`,
+`fd_count`, `anon_rss_kib`, `heap_bytes`.
 """
 import ctypes
 import glob
@@ -271,6 +271,15 @@ def run_bounded(cmd, timeout, stderr=subprocess.STDOUT, **popen_kwargs):
                             start_new_session=True, **popen_kwargs)
     out = communicate_bounded(proc, timeout)
     return proc.returncode, out
+
+
+def alive(pid):
+    """Whether `pid` is a process that has not exited (a zombie has)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    except (FileNotFoundError, ProcessLookupError):
+        return False
 
 
 def load_module(name, path):

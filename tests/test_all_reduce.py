@@ -237,6 +237,7 @@ for dtype in (torch.float32, torch.float64):
                         dtype, op, nranks, count)
                 checked += 1
 print("checked", checked)
+print("ran", ringreduce._C.cpu_simd_ran())
 """
 
 
@@ -270,6 +271,24 @@ def test_every_simd_width_gives_the_ring_bits(width):
     proc = _run_simd_script(width)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "checked 144" in proc.stdout, proc.stdout
+    assert f"ran {width}\n" in proc.stdout, proc.stdout  # those loops, not a narrower width's
+
+
+def test_the_widest_simd_width_the_cpu_has_runs():
+    """Without RINGREDUCE_CPU_SIMD the float sum loops of the widest width the CPU lists run (in
+    this process: the width is chosen at its first float sum; the setting can only narrow it)."""
+    flags = _cpu_flags()
+    if not flags:
+        pytest.skip("no /proc/cpuinfo flags: nothing to say which width the CPU has")
+    widths = ("baseline", "avx2", "avx512")
+    widest = max(i for i, has in enumerate((True, "avx2" in flags, "avx512f" in flags)) if has)
+    asked = os.environ.get("RINGREDUCE_CPU_SIMD")
+    if asked in widths:
+        widest = min(widest, widths.index(asked))
+    tensors = [torch.full((33,), float(r + 1)) for r in range(3)]
+    ringreduce.all_reduce(tensors)
+    assert torch.equal(tensors[0], torch.full((33,), 6.0))
+    assert ringreduce._C.cpu_simd_ran() == widths[widest], (ringreduce._C.cpu_simd_ran(), flags)
 
 
 def test_bad_simd_setting_is_refused():

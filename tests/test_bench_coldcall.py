@@ -1,15 +1,19 @@
 """bench/coldcall.py (the cold call beside back-to-back calls) and bench/multihost.py (two
 simulated hosts against gloo) on tiny sweeps: their tables, #wrong and exit codes. Speed is never
-asserted here. Every run is bounded by a subprocess timeout."""
+asserted here. Every run is bounded by checks.run_bounded: past the bound the bench is killed
+with every rank it spawned."""
 import json
 import os
-import subprocess
+import signal
 import sys
+import threading
+import time
+import uuid
 from pathlib import Path
 
 import pytest
 
-from checks import load_module
+from checks import alive, load_module, run_bounded
 
 ROOT = Path(__file__).resolve().parents[1]
 COLD = ROOT / "bench" / "coldcall.py"
@@ -20,10 +24,9 @@ multihost = load_module("bench_multihost", MULTIHOST)
 coldcall = load_module("bench_coldcall", COLD)
 
 
-def run(script, args):
-    res = subprocess.run([sys.executable, str(script), *args], capture_output=True, text=True,
-                         timeout=TIMEOUT, cwd=ROOT)
-    return res.returncode, res.stdout + res.stderr
+def run(script, args, timeout=TIMEOUT, env=None):
+    """(exit status, stdout and stderr) of a bench run; the benches spawn their ranks."""
+    return run_bounded([sys.executable, str(script), *args], timeout, cwd=ROOT, env=env)
 
 
 def rows(text):
@@ -98,3 +101,64 @@ def test_multihost_tiny_sweep(tmp_path):
         # taken over different iterations.
         for b in multihost.BACKENDS:
             assert 0 < row[b]["cpu_us"] < 4 * (os.cpu_count() or 1) * row[b]["time_us"], row
+
+
+def _marked(marker):
+    """{pid: command line} of the live processes whose environment holds `marker` (a zombie has
+    exited)."""
+    found = {}
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{name}/environ", "rb") as f:
+                if marker.encode() not in f.read().split(b"\0") or not alive(int(name)):
+                    continue
+            with open(f"/proc/{name}/cmdline", "rb") as f:
+                found[int(name)] = f.read().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue  # gone meanwhile, or not ours
+    return found
+
+
+COLD_BOUND_S = 10  # past the spawn of the ranks (a few seconds here), long before the sweep ends
+
+
+@pytest.mark.timeout(120)
+def test_coldcall_timed_out_leaves_no_rank(tmp_path):
+    """A bench run past its bound (a sweep of minutes, bounded at COLD_BOUND_S) is killed with the
+    ranks it spawned: none outlives run(). The processes are told apart by a marker in their
+    environment, which the spawned ranks inherit; a watcher sees them while the bench runs."""
+    name, value = "RINGREDUCE_TEST_COLDCALL", uuid.uuid4().hex
+    marker = f"{name}={value}"
+    seen, stop = {}, threading.Event()
+
+    def watch():
+        while not stop.is_set():
+            seen.update(_marked(marker))
+            time.sleep(0.1)
+
+    watcher = threading.Thread(target=watch)
+    watcher.start()
+    start = time.monotonic()
+    try:
+        rc, out = run(COLD, ["--sizes", "8", "--iters", "1000000", "--warmup", "1",
+                             "--configs", "ringreduce"], timeout=COLD_BOUND_S,
+                      env=dict(os.environ, **{name: value}))
+    except Exception as exc:  # noqa: BLE001 - what run() must not do; the ranks are checked first
+        rc, out = None, f"run() raised {type(exc).__name__}: {exc}"
+    finally:
+        stop.set()
+        watcher.join()
+    took = time.monotonic() - start
+    deadline = time.monotonic() + 10
+    while _marked(marker) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    left = _marked(marker)
+    for pid in left:
+        os.kill(pid, signal.SIGKILL)
+    ranks = [pid for pid, cmd in seen.items() if "spawn_main" in cmd]
+    assert len(ranks) == 2, f"the bench's two ranks were not both seen running: {seen}\n{out}"
+    assert not left, f"the bench's processes outlived run()'s bound: {left}\n{out}"
+    assert rc != 0 and f"(killed after {COLD_BOUND_S} s)" in out, (rc, out)
+    assert took < COLD_BOUND_S + 20, took

@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from checks import communicate_bounded, run_bounded
+from checks import alive, communicate_bounded, run_bounded
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -107,15 +107,6 @@ def test_communicate_bounded_kills_the_whole_process_group():
     pytest.fail("a process of the group outlived communicate_bounded")
 
 
-def _alive(pid):
-    """Whether `pid` is a process that has not exited (a zombie has)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
-    except (FileNotFoundError, ProcessLookupError):
-        return False
-
-
 @pytest.mark.timeout(60)
 def test_run_bounded_kills_a_timed_out_launchers_workers(tmp_path):
     """A launcher (like torchrun) whose worker never ends: past the bound run_bounded returns
@@ -132,8 +123,8 @@ def test_run_bounded_kills_a_timed_out_launchers_workers(tmp_path):
     assert code != 0 and "(killed after 5 s)" in out, (code, out)
     worker = int(pid_file.read_text())
     deadline = time.monotonic() + 10
-    while _alive(worker) and time.monotonic() < deadline:
+    while alive(worker) and time.monotonic() < deadline:
         time.sleep(0.1)
-    if _alive(worker):
+    if alive(worker):
         os.kill(worker, signal.SIGKILL)
         pytest.fail("the launcher's worker outlived run_bounded's timeout")

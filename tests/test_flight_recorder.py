@@ -133,7 +133,19 @@ def _p2p_and_groups(rank, world, store):
     if rank in (0, 2):
         dist.all_reduce(t, group=pair)
     dist.barrier()
+    # The collectives recorded under torch's own names, per-rank blocks as one [world, ...] size.
+    dist.all_gather_into_tensor(torch.empty(world * 4), torch.arange(4.0))
+    dist.reduce_scatter_tensor(torch.empty(4), torch.arange(world * 4.0))
+    dist.reduce_scatter(torch.empty(4), [torch.arange(4.0) for _ in range(world)])
+    dist.all_reduce_coalesced([torch.ones(2), torch.ones(3)])
     return _dump_json()
+
+
+# What _p2p_and_groups's last four collectives record (3 ranks): name, input and output sizes.
+NAMED_SIZES = [("ringreduce:_all_gather_base", [[4]], [[12]]),
+               ("ringreduce:_reduce_scatter_base", [[12]], [[4]]),
+               ("ringreduce:reduce_scatter", [[3, 4]], [[4]]),
+               ("ringreduce:allreduce_coalesced", [[2], [3]], [[2], [3]])]
 
 
 @pytest.mark.timeout(300)
@@ -142,6 +154,16 @@ def test_point_to_point_groups_and_durations(tmp_path, timing):
     env = dict(FR_ENV, TORCH_NCCL_ENABLE_TIMING="1" if timing else "0")
     dumps = values(run_ranks(_p2p_and_groups, 3, tmp_path, env=env))
     for rank, dump in enumerate(dumps):
+        for e in dump["entries"]:
+            assert e["state"] == "completed" and e["retired"], e
+            if timing:
+                # Milliseconds: within the entry's own time from its creation to its completion
+                # (the slack: duration_ms is a float32).
+                lifetime_ms = (e["time_discovered_completed_ns"] - e["time_created_ns"]) / 1e6
+                assert 0 <= e["duration_ms"] <= lifetime_ms * (1 + 1e-6), (
+                    e["duration_ms"], lifetime_ms, e)
+            else:
+                assert "duration_ms" not in e, e
         rows = [(e["profiling_name"], e["process_group"][0], e["collective_seq_id"],
                  e["p2p_seq_id"], e["op_id"], e["is_p2p"]) for e in dump["entries"]]
         p2p = {0: [("ringreduce:send 0->2", "0", 1, 1, 2, True),
@@ -150,16 +172,14 @@ def test_point_to_point_groups_and_durations(tmp_path, timing):
                2: [("ringreduce:recv 2<-0", "0", 1, 1, 2, True)]}[rank]
         pair = [("ringreduce:all_reduce", "1", 1, 0, 1, False)] if rank != 1 else []
         barrier_op = 2 + len(p2p)
+        named = [(name, "0", 3 + i, len(p2p), barrier_op + 1 + i, False)
+                 for i, (name, _, _) in enumerate(NAMED_SIZES)]
         assert rows == ([("ringreduce:all_reduce", "0", 1, 0, 1, False)] + p2p + pair +
-                        [("ringreduce:barrier", "0", 2, len(p2p), barrier_op, False)]), rows
-        for e in dump["entries"]:
-            assert e["state"] == "completed" and e["retired"], e
-            assert e["input_sizes"] == e["output_sizes"] == ([[5]] if "barrier" not in
-                                                              e["profiling_name"] else [])
-            if timing:
-                assert 0 <= e["duration_ms"] < 60_000, e
-            else:
-                assert "duration_ms" not in e, e
+                        [("ringreduce:barrier", "0", 2, len(p2p), barrier_op, False)] +
+                        named), rows
+        sizes = [(e["input_sizes"], e["output_sizes"]) for e in dump["entries"]]
+        assert sizes == [([[5]], [[5]])] * (len(rows) - 1 - len(NAMED_SIZES)) + [([], [])] + [
+            (i, o) for _, i, o in NAMED_SIZES], sizes
         config = {k: v["ranks"] for k, v in dump["pg_config"].items()}
         assert config == ({"0": "[0, 1, 2]", "1": "[0, 2]"} if rank != 1 else
                           {"0": "[0, 1, 2]"}), config
@@ -219,7 +239,29 @@ def _failing(rank, world, store, backend, scenario, dump_dir):
     if backend == "gloo":
         with open(own_dump, "wb") as f:
             f.write(torch._C._distributed_c10d._dump_fr_trace(True, True, False))
-    return error
+        return error, None
+    # After the failure: its entry (the fourth collective) and the group's status, as recorded.
+    dump = _dump_json()
+    failed = [{k: e.get(k) for k in ("profiling_name", "state", "retired",
+                                     "time_discovered_completed_ns")}
+              for e in dump["entries"] if e["collective_seq_id"] == 4]
+    return error, (failed, dump["pg_status"]["0"])
+
+
+def _check_failed_entries(records, failed_ranks):
+    """On each rank whose fourth collective failed, its entry is retired and not completed, and
+    the group's last completed collective is the third; a rank that never called it has none."""
+    for rank, (entries, status) in enumerate(records):
+        if rank not in failed_ranks:
+            assert entries == [] and status["last_enqueued_collective"] == "3", (rank, entries,
+                                                                                   status)
+            continue
+        assert len(entries) == 1, (rank, entries)
+        e = entries[0]
+        assert e["retired"] and e["state"] != "completed", (rank, e)
+        assert not e["time_discovered_completed_ns"], (rank, e)  # the dump's 0: none
+        assert status["last_enqueued_collective"] == "4", (rank, status)
+        assert status["last_completed_collective"] == "3", (rank, status)
 
 
 def _meet(rank, world, store):
@@ -284,13 +326,13 @@ def _run_failing(tmp_path, backend, scenario):
     dump_dir.mkdir()
     env = dict(FR_ENV, TORCH_FR_DUMP_TEMP_FILE=str(dump_dir / "trace_"))
     results = run_ranks(_failing, 4, tmp_path, backend, scenario, str(dump_dir), env=env)
-    errors = values(results)
+    errors, records = zip(*values(results))
     assert sorted(os.listdir(dump_dir)) == [f"trace_{r}" for r in range(4)]
     if backend == "gloo":
         _name_gloos_group(dump_dir)
     module = "ringreduce.fr_trace" if backend == "ringreduce" else \
         "torch.distributed.flight_recorder.fr_trace"
-    return errors, _analyze(dump_dir, module)
+    return list(errors), records, _analyze(dump_dir, module)
 
 
 def _check_findings_equal_gloos(tmp_path, scenario, ours):
@@ -299,14 +341,15 @@ def _check_findings_equal_gloos(tmp_path, scenario, ours):
     if not _analyzer_reads_gloo():
         pytest.skip("ringreduce's findings checked; torch " + torch.__version__ + "'s analyzer "
                     "cannot read gloo's dumps to compare (nccl and xccl only before 2.13)")
-    _, gloos = _run_failing(tmp_path, "gloo", scenario)
+    _, _, gloos = _run_failing(tmp_path, "gloo", scenario)
     assert _findings(ours) == _findings(gloos), (ours, gloos)
 
 
 @pytest.mark.timeout(600)
 def test_analyzer_names_the_mismatched_collective(tmp_path):
-    errors, ours = _run_failing(tmp_path, "ringreduce", "mismatch")
+    errors, records, ours = _run_failing(tmp_path, "ringreduce", "mismatch")
     assert all(e and "ringreduce" in e for e in errors), errors
+    _check_failed_entries(records, failed_ranks={0, 1, 2, 3})
     assert "Collective sequence number: 4 has errors" in ours, ours
     assert ("Culprit rank 2; Error type: COLLECTIVE_TYPE_MISMATCH, Expected collective type: "
             "'all_reduce' does not match found collective type: 'broadcast'") in ours, ours
@@ -316,8 +359,9 @@ def test_analyzer_names_the_mismatched_collective(tmp_path):
 
 @pytest.mark.timeout(600)
 def test_analyzer_names_the_missing_rank(tmp_path):
-    errors, ours = _run_failing(tmp_path, "ringreduce", "missing")
+    errors, records, ours = _run_failing(tmp_path, "ringreduce", "missing")
     assert errors[3] is None and all(errors[:3]), errors
+    _check_failed_entries(records, failed_ranks={0, 1, 2})
     assert "Not all ranks joining collective, sequence number: 4" in ours, ours
     assert "missing ranks: {3}" in ours, ours
     _check_findings_equal_gloos(tmp_path, "missing", ours)

@@ -166,9 +166,12 @@ def _two_hosts(rank, world, store, hosts):
     # RINGREDUCE_XHOST_LEADER_BYTES (1 MiB) only the hosts' first ranks cross, with the whole
     # partial; above it every local rank crosses with its shard. The two other groups force one
     # schedule at every size; all three must give the same bits.
+    # Over 1 MiB every local rank crosses with a shard over 1 MiB: gloo's all-reduce for sum,
+    # avg (divided once, after it) and prod (its PRODUCT, not SUM).
     large = [(torch.float32, "sum", 100000), (torch.float32, "max", 100000),
              (torch.bfloat16, "avg", 100000), (torch.int8, "prod", 300000),
-             (torch.float32, "sum", 600000), (torch.float64, "max", 300000)]
+             (torch.float32, "sum", 600000), (torch.float64, "max", 300000),
+             (torch.float32, "avg", 600000), (torch.int32, "prod", 600000)]
     out["problems"], out["digest"] = _all_reduce_sweep(rank, world, hosts, ALL_DTYPES, SIZES, 0,
                                                        large)
     problems = out["problems"]
@@ -215,6 +218,18 @@ def _two_hosts(rank, world, store, hosts):
         dist.reduce_scatter(got_list, list(full[rank]), op=_reduce_op(op))
         if not (torch.equal(got, expect) and torch.equal(got_list, expect)):
             problems.append(f"reduce_scatter {dtype} {op} differs from the hierarchical model")
+    # The hosts' partials are folded in host order in reduce_scatter too: host a's +0.0 against
+    # host b's -0.0 stays +0.0 under max and min.
+    for op in (dist.ReduceOp.MAX, dist.ReduceOp.MIN):
+        full = torch.full((world * m,), 0.0 if rank < 2 else -0.0)
+        got = torch.full((m,), 7.0)
+        dist.reduce_scatter_tensor(got, full, op=op)
+        got_list = torch.full((m,), 7.0)
+        dist.reduce_scatter(got_list, list(full.view(world, m)), op=op)
+        for name, t in (("reduce_scatter_tensor", got), ("reduce_scatter", got_list)):
+            if torch.signbit(t).any() or not torch.equal(t, torch.zeros(m)):
+                problems.append(f"{name} {op} of +0.0 (host a) and -0.0 (host b): "
+                                f"{int(torch.signbit(t).sum())} results are not host a's +0.0")
     for count in (0, 3, 4099, 20000):
         mine = torch.arange(count, dtype=torch.int64) + 1000 * rank
         outs = [torch.full((count,), -1, dtype=torch.int64) for _ in range(world)]
@@ -554,29 +569,40 @@ GIL_HELD_S = 5.0
 
 
 def _gil_held(rank, world, store):
-    """Rank 0 queues an all-reduce, then a thread of its own holds the GIL for GIL_HELD_S (a C
-    call through ctypes.PyDLL, which keeps it); the other ranks join the all-reduce a little
-    later, so rank 0's part of it runs while the GIL is held. It needs no Python there, so the
-    ranks of the other host finish long before the GIL is free again."""
+    """Rank 0 queues an all-reduce on each of two groups, then a thread of its own holds the GIL
+    for GIL_HELD_S (a C call through ctypes.PyDLL, which keeps it); the other ranks join the
+    all-reduces a little later, so rank 0's parts of them run while the GIL is held. They need no
+    Python there, so the ranks of the other host finish long before the GIL is free again. The
+    default group takes 1,000 elements through the hosts' first ranks; the other one
+    (RINGREDUCE_XHOST_LEADER_BYTES=0) through every local rank's shard."""
     os.environ["RINGREDUCE_HOST_ID"] = "ab"[rank // 2]
     init(rank, world, store)
-    t = torch.full((1000,), float(rank + 1))
-    dist.all_reduce(t)  # the inter-host groups are made by now
+    os.environ["RINGREDUCE_XHOST_LEADER_BYTES"] = "0"  # read when the group is made
+    shards = dist.new_group(backend="ringreduce")
+    del os.environ["RINGREDUCE_XHOST_LEADER_BYTES"]
+    groups = (None, shards)
+    tensors = [torch.full((1000,), float(rank + 1)) for _ in groups]
+    for t, group in zip(tensors, groups):
+        dist.all_reduce(t, group=group)  # the inter-host groups are made by now
     dist.barrier()
     start = time.monotonic()
     if rank == 0:
-        work = dist.all_reduce(t, async_op=True)
+        works = [dist.all_reduce(t, group=group, async_op=True)
+                 for t, group in zip(tensors, groups)]
         holder = threading.Thread(target=ctypes.PyDLL(None).usleep,
                                   args=(int(GIL_HELD_S * 1e6),))
         holder.start()
-        work.wait()
+        for work in works:
+            work.wait()
         holder.join()
     else:
-        time.sleep(0.5)  # rank 0's collective starts first
-        dist.all_reduce(t)
+        time.sleep(0.5)  # rank 0's collectives start first
+        for t, group in zip(tensors, groups):
+            dist.all_reduce(t, group=group)
     elapsed = time.monotonic() - start
-    right = torch.equal(t, torch.full((1000,), 4.0 * 10))
+    right = all(torch.equal(t, torch.full((1000,), 4.0 * 10)) for t in tensors)
     dist.barrier()
+    dist.destroy_process_group(shards)
     dist.destroy_process_group()
     return elapsed, right
 
@@ -589,7 +615,8 @@ def test_collectives_across_hosts_need_no_python(tmp_path):
     for rank in (2, 3):
         assert out[rank][0] < GIL_HELD_S / 2, (
             f"rank {rank} waited {out[rank][0]:.1f} s for rank 0, whose GIL another thread held "
-            f"for {GIL_HELD_S} s: the collective needed Python there")
+            f"for {GIL_HELD_S} s: a collective needed Python there (through the hosts' first "
+            f"ranks or through the shards)")
 
 
 FAULT_TIMEOUT = 8.0
@@ -604,6 +631,14 @@ def _killed_host(rank, world, store):
     t = inputs[rank].clone()
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     exact = torch.equal(t, hierarchical_model(inputs, "max", [[0], [1], [2, 3]]))
+    # Partials up to 64 KiB cross three hosts as one all-gather, folded in host order (a, b, c):
+    # float sums tell the order.
+    for dtype, op in ((torch.float32, "sum"), (torch.bfloat16, "avg")):
+        inputs = random_inputs(world, 1000, dtype, op, generator=seeded("three hosts", dtype, op))
+        t = inputs[rank].clone()
+        dist.all_reduce(t, op=_reduce_op(op))
+        exact = exact and torch.equal(t.view(torch.uint8), hierarchical_model(
+            inputs, op, [[0], [1], [2, 3]]).view(torch.uint8))
     t = torch.ones(1000)
     if rank >= 2:
         os.kill(os.getpid(), signal.SIGKILL)
@@ -623,7 +658,8 @@ def test_killed_host_fails_the_others_naming_it(tmp_path):
         status, value = results[rank]
         assert status == "ok", value
         exact, msg, elapsed = value
-        assert exact, "three hosts: differs from the hierarchical model"
+        assert exact, "three hosts (max at 120,000; float32 sum, bfloat16 avg at 1,000): " \
+                      "differs from the hierarchical model"
         assert "host 'c'" in msg and "all_reduce" in msg, msg
         assert elapsed < FAULT_TIMEOUT, f"took {elapsed:.1f} s: {msg}"
         print(f"rank {rank} after {elapsed:.2f} s: {msg}")

@@ -1,6 +1,7 @@
 #include "cpu_executor.h"
 
 #include <algorithm>
+#include <atomic>
 #include <cstdlib>
 #include <cstring>
 #include <stdexcept>
@@ -27,18 +28,30 @@ void combine_typed(T* dst, const T* own, const T* src, int64_t n, bool last, int
 // not GCC's target_clones, whose ifunc resolvers run before ThreadSanitizer is initialised and
 // crash tests/test_fused.py's TSan build). One IEEE add (then one division on an average's
 // last hop) per element in any width, so every width gives the generic loop's bits.
-#define RR_ADD_LOOPS(SUFFIX, ATTR)                                                          \
+// Each loop notes its width (simd_width_ran), written only when it changes: the ranks' threads
+// share the variable, and the same width again costs them a load.
+std::atomic<int> width_ran{-1};
+
+inline void note_width(int width) {
+  if (width_ran.load(std::memory_order_relaxed) != width) {
+    width_ran.store(width, std::memory_order_relaxed);
+  }
+}
+
+#define RR_ADD_LOOPS(SUFFIX, WIDTH, ATTR)                                                   \
   template <typename F>                                                                   \
   ATTR void add_##SUFFIX(F* dst, const F* own, const F* src, int64_t n) {                  \
+    note_width(WIDTH);                                                                    \
     for (int64_t i = 0; i < n; ++i) dst[i] = own[i] + src[i];                              \
   }                                                                                       \
   template <typename F>                                                                   \
   ATTR void add_div_##SUFFIX(F* dst, const F* own, const F* src, int64_t n, F d) {         \
+    note_width(WIDTH);                                                                    \
     for (int64_t i = 0; i < n; ++i) dst[i] = (own[i] + src[i]) / d;                        \
   }
-RR_ADD_LOOPS(avx512, __attribute__((target("avx512f"))))
-RR_ADD_LOOPS(avx2, __attribute__((target("avx2"))))
-RR_ADD_LOOPS(base, )
+RR_ADD_LOOPS(avx512, 2, __attribute__((target("avx512f"))))
+RR_ADD_LOOPS(avx2, 1, __attribute__((target("avx2"))))
+RR_ADD_LOOPS(base, 0, )
 #undef RR_ADD_LOOPS
 
 template <typename F>
@@ -110,6 +123,8 @@ void combine(DType dtype, Op op, void* dst, const void* own, const void* src, in
               combine_typed<T, kOp>(static_cast<T*>(dst), static_cast<const T*>(own),
                                     static_cast<const T*>(src), n, last, nranks));
 }
+
+int simd_width_ran() { return width_ran.load(std::memory_order_relaxed); }
 
 void combine(DType dtype, Op op, void* dst, const void* src, int64_t n, bool last, int nranks) {
   combine(dtype, op, dst, dst, src, n, last, nranks);

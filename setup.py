@@ -64,6 +64,10 @@ def make_extensions():
         flags = build.build_flags(cuda)
     except ValueError as exc:
         raise SystemExit(str(exc)) from exc
+    if flags["ldflags"]:
+        raise SystemExit("RINGREDUCE_SANITIZE builds happen at first import only (a prebuilt "
+                         "library would be loaded without the sanitizer's runtime): unset it "
+                         "for the install, then see scripts/sanitize.sh")
     csrc = os.path.join(ROOT, "csrc")
 
     def ext(name):

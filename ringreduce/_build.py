@@ -15,6 +15,10 @@ Knobs (environment):
   RINGREDUCE_CUDA_ARCH_LIST="8.0;9.0"  compute capabilities to compile for (default below);
                                        PTX for the newest is embedded too, for newer GPUs
   RINGREDUCE_DEBUG=1                   -O0 -g (and -lineinfo -G for device code)
+  RINGREDUCE_SANITIZE=address|thread   host code built with AddressSanitizer or ThreadSanitizer,
+                                       by the first-import compile only (never the prebuilt
+                                       library); run with the sanitizer's runtime preloaded
+                                       (scripts/sanitize.sh)
   NVCC_THREADS=4                       nvcc --threads
   RINGREDUCE_CACHE_DIR=DIR             where first-import builds go
                                        (default $XDG_CACHE_HOME/ringreduce, ~/.cache/ringreduce)
@@ -86,6 +90,12 @@ def build_flags(cuda):
     # No -std flag: torch's build adds the standard its headers need (C++17 or C++20).
     cxx = ["-O0", "-g"] if debug else ["-O3"]
     macros = [("RINGREDUCE_DEBUG", None)] if debug else []
+    ldflags = []
+    sanitizer = sanitize()
+    if sanitizer:
+        cxx = ["-O0" if debug else "-O1", "-g", "-fno-omit-frame-pointer",
+               f"-fsanitize={sanitizer}"]
+        ldflags = [f"-fsanitize={sanitizer}"]
     nvcc = ["-O0", "-g", "-G", "-lineinfo"] if debug else ["-O3"]
     if cuda:
         archs = arch_list()
@@ -93,7 +103,15 @@ def build_flags(cuda):
         macros += [("RINGREDUCE_WITH_CUDA", None),
                    ("RINGREDUCE_ARCHS", "_".join(a.replace(".", "") for a in archs))]
         nvcc += gencode_flags(archs) + ["--threads", os.environ.get("NVCC_THREADS", "4")]
-    return {"cxx": cxx, "nvcc": nvcc, "macros": macros}
+    return {"cxx": cxx, "nvcc": nvcc, "macros": macros, "ldflags": ldflags}
+
+
+def sanitize():
+    """RINGREDUCE_SANITIZE: "address", "thread" or "" (none)."""
+    value = os.environ.get("RINGREDUCE_SANITIZE", "").strip().lower()
+    if value not in ("", "address", "thread"):
+        raise ValueError(f"RINGREDUCE_SANITIZE must be address or thread; got {value!r}")
+    return value
 
 
 def compiled_sources(name, csrc, cuda):
@@ -125,7 +143,8 @@ def load_extension(name):
     if module is None:
         import torch  # noqa: F401  (the extension links against libtorch, which this loads)
 
-        module = _load_prebuilt(name, full) or _jit_load(name, full)
+        # A sanitizer build is never the prebuilt library (setup.py builds without one).
+        module = (None if sanitize() else _load_prebuilt(name, full)) or _jit_load(name, full)
         setattr(sys.modules[PACKAGE], name, module)
     return module
 
@@ -305,6 +324,7 @@ def _jit_load(name, full):
                     name=name, sources=sources, build_directory=build_dir,
                     extra_include_paths=[csrc], extra_cflags=flags["cxx"] + defines,
                     extra_cuda_cflags=flags["nvcc"] + defines, with_cuda=cuda,
+                    extra_ldflags=flags["ldflags"],
                     is_python_module=False, verbose=False)
             except (RuntimeError, OSError, subprocess.SubprocessError) as exc:
                 log = os.path.join(build_dir, "build.log")

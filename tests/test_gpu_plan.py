@@ -178,3 +178,50 @@ def test_default_phases_run_each_piece_bounded(tmp_path):
     assert "crash: exit 1; result: 8 passed, 1 failed of 9" in summary, summary
     for name in ("bench", "nccl", "resnet18", "train"):
         assert re.search(rf"^{name}: exit 0; result: ", summary, re.M), summary
+
+
+def test_build_phase_imports_a_carried_build_and_builds_only_without_one(tmp_path):
+    """`build` builds (scripts/setup.sh) and stamps the tree's hash where there is no build; a
+    tree with a stamp of its own sources (a build carried from here, or made on a warm machine)
+    is import-checked and not rebuilt; one whose import fails is built again; a changed source
+    makes the stamp stale. Rehearsed with stand-ins for python3 and setup.sh."""
+    work = tmp_path / "tree"
+    for d in ("scripts", "csrc/ring", "ringreduce"):
+        (work / d).mkdir(parents=True)
+    shutil.copy(GPU_CHECK, work / "scripts" / "gpu_check.sh")
+    for name in ("gpu_first.txt", "gpu_crash.txt", "segv_backtrace.c"):
+        shutil.copy(os.path.join(ROOT, "scripts", name), work / "scripts" / name)
+    for f in ("setup.py", "ringreduce/_build.py", "csrc/bindings.cpp", "csrc/ring/plan.h"):
+        (work / f).write_text(f"// {f}\n")
+    calls = tmp_path / "calls.log"
+    (work / "scripts" / "setup.sh").write_text(f'echo "setup.sh" >> {calls}\n')
+    stub = tmp_path / "bin" / "python3"
+    stub.parent.mkdir()
+    stub.write_text("#!/bin/sh\n"
+                    f'echo "python3 $*" >> {calls}\n'
+                    'case "$*" in *build_info*) exit "${STUB_IMPORT_RC:-0}" ;; esac\nexit 0\n')
+    stub.chmod(0o755)
+    env = {**os.environ, "PATH": f"{stub.parent}:{os.environ['PATH']}"}
+    for name in ("OUT", "CALL_BUDGET", "BUILD_TIMEOUT"):
+        env.pop(name, None)
+
+    def build(**extra):
+        calls.write_text("")
+        proc = subprocess.run(["bash", str(work / "scripts" / "gpu_check.sh"), "build"],
+                              capture_output=True, text=True, timeout=300, cwd=work,
+                              env={**env, **extra})
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+        return calls.read_text().splitlines(), proc.stdout
+
+    ran, _ = build()
+    assert "setup.sh" in ran  # nothing built yet
+    stamp = (work / "build" / "gpu_check.stamp").read_text()
+    ran, out = build()
+    assert "setup.sh" not in ran and "imports; not rebuilt" in out
+    assert any("from ringreduce import _dist_C" in line for line in ran)
+    ran, out = build(STUB_IMPORT_RC="1")
+    assert "setup.sh" in ran and "does not import: building here" in out
+    (work / "csrc" / "ring" / "plan.h").write_text("// changed\n")
+    ran, _ = build()
+    assert "setup.sh" in ran
+    assert (work / "build" / "gpu_check.stamp").read_text() != stamp

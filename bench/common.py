@@ -104,14 +104,56 @@ def cuda_l2_bytes(device: int, default: int = 50 * MiB) -> int:
     return int(getattr(torch.cuda.get_device_properties(device), "L2_cache_size", 0) or default)
 
 
+class SyncTimeout(RuntimeError):
+    """Work queued on a GPU did not finish within its deadline: most likely a hung kernel, which
+    nothing in this process can stop (the process must exit without waiting for the GPU)."""
+
+
+# The bound of one wait for the GPU in the benchmarks (bounded_sync): far above any call they
+# time (a 1 GiB all-reduce takes milliseconds), far below a device session's minutes.
+SYNC_DEADLINE_S = 60.0
+
+
+def bounded_sync(devices: Sequence[int], deadline_s: float = SYNC_DEADLINE_S,
+                 what: str = "queued work") -> None:
+    """Wait until the work queued so far on the current stream of each CUDA device in `devices`
+    has finished, for at most `deadline_s` seconds in all; SyncTimeout names the device and
+    `what` when it has not. torch.cuda.synchronize() would wait forever on a hung kernel (NCCL's
+    ranks spinning on each other), so every wait of the benchmarks polls an event instead."""
+    import torch
+    events = []
+    for d in devices:
+        e = torch.cuda.Event()
+        e.record(torch.cuda.current_stream(d))
+        events.append((f"cuda:{d}", e))
+    wait_events(events, deadline_s, what)
+
+
+def wait_events(events: Sequence[tuple[str, object]], deadline_s: float = SYNC_DEADLINE_S,
+                what: str = "queued work") -> None:
+    """Wait for every recorded CUDA event of `events` ((where, event) pairs) by polling, for at
+    most `deadline_s` seconds in all; SyncTimeout names `where` and `what` otherwise."""
+    end = time.monotonic() + deadline_s
+    pause = 1e-5
+    for where, e in events:
+        while not e.query():
+            if time.monotonic() >= end:
+                raise SyncTimeout(f"{what} on {where} had not finished after {deadline_s:g} s "
+                                  "(a hung kernel?)")
+            time.sleep(pause)
+            pause = min(2 * pause, 0.01)
+
+
 def time_iterations(fn: Callable[[int], object], iters: int, warmup: int,
-                    cuda_devices: Sequence[int] | None = None) -> list[float]:
+                    cuda_devices: Sequence[int] | None = None,
+                    sync_deadline_s: float = SYNC_DEADLINE_S) -> list[float]:
     """Run fn(0 .. warmup-1) untimed, then time fn(warmup .. warmup+iters-1) one call at a time.
 
     CPU (cuda_devices None): time.perf_counter around each call, which must be synchronous.
     CUDA: an event pair per call on the current stream of every device in cuda_devices; a
     call's time is the longest of its per-device spans (events of different devices cannot
-    be compared). Returns seconds per call.
+    be compared). Every wait for the GPU is bounded by sync_deadline_s (bounded_sync). Returns
+    seconds per call.
     """
     for i in range(warmup):
         fn(i)
@@ -124,8 +166,7 @@ def time_iterations(fn: Callable[[int], object], iters: int, warmup: int,
         return times
 
     import torch
-    for d in cuda_devices:
-        torch.cuda.synchronize(d)
+    bounded_sync(cuda_devices, sync_deadline_s, "the warm-up calls")
     pairs = []
     for i in range(warmup, warmup + iters):
         starts, ends = {}, {}
@@ -137,8 +178,7 @@ def time_iterations(fn: Callable[[int], object], iters: int, warmup: int,
             ends[d] = torch.cuda.Event(enable_timing=True)
             ends[d].record(torch.cuda.current_stream(d))
         pairs.append((starts, ends))
-    for d in cuda_devices:
-        torch.cuda.synchronize(d)
+    bounded_sync(cuda_devices, sync_deadline_s, "the timed calls")
     return [max(s[d].elapsed_time(e[d]) for d in cuda_devices) / 1e3 for s, e in pairs]
 
 
@@ -371,10 +411,23 @@ class Table:
         return (self.SEP * 2).join(parts)
 
 
+def dump_stacks_on_sigterm() -> None:
+    """On SIGTERM (what `timeout` sends first), print every Python thread's stack on stderr, then
+    die of the signal as before (chain): a run stopped at its bound says where it was."""
+    import faulthandler
+    import signal
+    faulthandler.register(signal.SIGTERM, file=sys.stderr, all_threads=True, chain=True)
+
+
 def write_json(path: str, data: dict) -> None:
-    with open(path, "w") as f:
+    """Written to a temporary file beside `path`, then renamed over it: a process killed while
+    writing leaves the previous complete file, never half of one (bench/ring.py rewrites its
+    JSON after every size)."""
+    part = f"{path}.part"
+    with open(part, "w") as f:
         json.dump(data, f, indent=1, sort_keys=False)
         f.write("\n")
+    os.replace(part, path)
 
 
 def write_csv(path: str, fieldnames: Sequence[str], rows: Iterable[dict]) -> None:

@@ -126,15 +126,15 @@ class Stopwatch:
         end = self._mark()
         if not self.cuda:
             return end - self._start
-        for e in end:
-            e.synchronize()
+        common.wait_events([(str(d), e) for d, e in zip(self.devices, end)],
+                           what="the timed work")
         return max(s.elapsed_time(e) for s, e in zip(self._start, end)) / 1e3
 
 
 def synchronize(devices):
+    """Bounded (common.bounded_sync): a hung collective ends the run with SyncTimeout."""
     if devices[0].type == "cuda":
-        for d in dict.fromkeys(devices):
-            torch.cuda.synchronize(d)
+        common.bounded_sync([d.index for d in dict.fromkeys(devices)], what="the queued work")
 
 
 def rank_gradients(devices, batch, image, seed):
@@ -317,6 +317,8 @@ def describe_devices(devices):
 
 def main(argv=None):
     args = parse_args(argv)
+    if argv is None:
+        common.dump_stacks_on_sigterm()
     try:
         devices = parse_devices(args.device, args.ranks)
         if len(devices) < 2:

@@ -24,10 +24,12 @@ RINGREDUCE_NCCL_LIB.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import math
 import os
 import subprocess
 import sys
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -38,8 +40,9 @@ if _HERE not in sys.path:
 import common  # noqa: E402  (bench/ is not a package; common.py sits beside this file)
 import torch  # noqa: E402
 from ringreduce.train.nccl import (  # noqa: E402
-    MULTI_RANK_MIN_VERSION, NCCL_LIB_ENV, NCCL_OPS, NEWER_NCCL_HINT, LibNccl, NcclLibraryError,
-    load_libnccl, preload_requested_library, requested_library, torch_nccl_library)
+    CTA_ENV, MULTI_RANK_MIN_VERSION, NCCL_LIB_ENV, NCCL_OPS, NEWER_NCCL_HINT, LibNccl,
+    NcclLibraryError, cap_shared_gpu_ctas, load_libnccl, preload_requested_library,
+    requested_library, torch_nccl_library)
 from ringreduce.train.progress import Progress, add_quiet_argument  # noqa: E402
 
 DTYPES = {
@@ -52,8 +55,23 @@ OPS = ("sum", "avg", "max", "min", "prod")
 DEFAULT_MAX_BYTES = {"cuda": common.GiB, "cpu": 64 * common.MiB}
 DEFAULT_ITERS = {"cuda": (20, 5), "cpu": (10, 2)}  # (timed iterations, warm-up iterations)
 SIMULATED_RANKS = 4   # default rank count on one GPU and on CPU
-NCCL_PROBE_TIMEOUT_S = 180
+NCCL_PROBE_TIMEOUT_S = 120
 NCCL_PROBE_FLAG = "--nccl-probe"
+# The probe's element counts besides the run's largest: an odd count (NCCL's LL protocol) and
+# just over 1 MiB of float32, where the first GPU run hung (LL128, more channels).
+NCCL_PROBE_COUNTS = (4099, (1 << 18) + 3)
+# What --impls may name; the columns come in this order. On CPU the torch reference follows.
+IMPL_CHOICES = ("ringreduce", "oneshot", "nccl", "graph")
+IMPL_NAMES = {"ringreduce": "ringreduce", "oneshot": "ringreduce-oneshot", "nccl": "nccl",
+              "graph": "ringreduce-graph"}
+# Columns whose failure skips their further sizes and is reported, without failing the run (a
+# wrong result fails it always): NCCL, and the forced and graphed variants of ringreduce.
+OPTIONAL_IMPLS = ("nccl", "ringreduce-graph", "ringreduce-oneshot")
+# Exit statuses beyond 0 (all right), 1 (a wrong result or a failing ringreduce) and 2 (bad
+# arguments): a wait for the GPU passed --deadline (the run stops there: a hung kernel cannot be
+# stopped, so the process ends without waiting for it), and --budget ran out before every size.
+EXIT_HUNG = 3
+EXIT_BUDGET = 4
 
 IMPL_COLUMNS = [
     common.Column("time", "(us)", 10, ".2f"),
@@ -91,6 +109,8 @@ class Config:
     warmup: int
     seed: int
     layout: str                      # how the ranks sit on the hardware, for the header
+    deadline_s: float = common.SYNC_DEADLINE_S  # bound of every wait for the GPU
+    budget_s: float | None = None    # --budget: the whole run's time, the NCCL probe's included
 
     @property
     def dtype(self) -> torch.dtype:
@@ -124,6 +144,9 @@ class Impl:
     run: object                      # callable(list[Tensor]) -> None, in place
     close: object = None
     prepare: object = None           # callable(every buffer set of a size), untimed, before run
+    environ: dict | None = None      # variables set while this implementation runs, then restored
+    min_size: int = 0                # smaller sizes are not run ...
+    below_min: str = ""              # ... and this says why, in the row and the table
 
 
 @dataclass
@@ -137,6 +160,14 @@ class Unavailable:
 class Outcome:
     ok: bool = True
     failures: list[str] = field(default_factory=list)
+
+
+class Hung(RuntimeError):
+    """A wait for the GPU passed its deadline while measuring `row` (which says so)."""
+
+    def __init__(self, row: dict, what: str):
+        super().__init__(what)
+        self.row = row
 
 
 # ---------------------------------------------------------------------------------------------
@@ -173,10 +204,41 @@ def parse_args(argv):
                    help="busbw and time against size, one line per implementation (matplotlib)")
     p.add_argument("--graph", action="store_true",
                    help="also time ringreduce replayed from a CUDA graph (ranks on one GPU, "
-                        "one stream): the column ringreduce-graph")
+                        "one stream): the column ringreduce-graph (the same as adding graph "
+                        "to --impls)")
+    p.add_argument("--impls", default="ringreduce,nccl",
+                   help="the columns, comma-separated, from " + ", ".join(IMPL_CHOICES)
+                        + " (default %(default)s): ringreduce as it chooses its kernel; "
+                        "oneshot: ringreduce with the one-shot kernel forced, at the sizes where "
+                        "it would run the ring (ranks on one GPU); nccl; graph (as --graph). "
+                        "On CPU the torch reference is always added. `--impls ringreduce` and "
+                        "`--impls nccl` measure each in a process of its own, so that a hang in "
+                        "one cannot cost the other")
+    p.add_argument("--deadline", type=float, default=common.SYNC_DEADLINE_S, metavar="SECONDS",
+                   help="bound of every wait for the GPU (default %(default)g): past it the run "
+                        f"records the hang in its row and JSON and exits {EXIT_HUNG} without "
+                        "waiting for the GPU")
+    p.add_argument("--budget", type=float, default=None, metavar="SECONDS",
+                   help="start no further size once this many seconds have passed since the "
+                        "start, or when the next size (taken as twice the last) would end past "
+                        f"them; the sizes not run are listed and the exit status is "
+                        f"{EXIT_BUDGET} (default: no budget)")
     add_quiet_argument(p)
     p.add_argument(NCCL_PROBE_FLAG, action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
+    impls = [i.strip() for i in args.impls.split(",") if i.strip()]
+    for i in impls:
+        if i not in IMPL_CHOICES:
+            p.error(f"--impls: {i!r} is not one of {', '.join(IMPL_CHOICES)}")
+    if args.graph and "graph" not in impls:
+        impls.append("graph")
+    if not impls:
+        p.error("--impls: name at least one of " + ", ".join(IMPL_CHOICES))
+    args.impls = [i for i in IMPL_CHOICES if i in impls]
+    if not args.deadline > 0:
+        p.error(f"--deadline must be > 0 (got {args.deadline})")
+    if args.budget is not None and not args.budget > 0:
+        p.error(f"--budget must be > 0 (got {args.budget})")
     return p, args
 
 
@@ -222,7 +284,8 @@ def make_config(parser, args) -> Config:
     except ValueError as e:
         parser.error(f"--min-bytes/--max-bytes: {e}")
     return Config(device=device, rank_devices=rank_devices, dtype_name=args.dtype, op=args.op,
-                  sizes=sizes, iters=iters, warmup=warmup, seed=args.seed, layout=layout)
+                  sizes=sizes, iters=iters, warmup=warmup, seed=args.seed, layout=layout,
+                  deadline_s=args.deadline, budget_s=args.budget)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -394,6 +457,30 @@ def ringreduce_path(cfg: Config, size: int) -> str:
     return "ring"
 
 
+def _now() -> float:
+    """The run's clock (seconds): --budget and each row's seconds."""
+    return time.monotonic()
+
+
+def forced_oneshot(cfg: Config, transport: str) -> Impl | Unavailable:
+    """ringreduce with the one-shot kernel forced (RINGREDUCE_ONESHOT_BYTES above every size,
+    set only while it runs), at the sizes where ringreduce's own choice is the ring: on one GPU
+    the one-shot kernel (each rank reads every peer once) may beat the ring at any size."""
+    name = IMPL_NAMES["oneshot"]
+    if not (cfg.one_gpu and transport == "p2p"):
+        return Unavailable(name, "needs ranks on one GPU",
+                           "oneshot: the one-shot kernel runs only with every rank on one GPU "
+                           "and RINGREDUCE_TRANSPORT=p2p")
+    from ringreduce.core import settings
+    default_max = settings()["oneshot_max_bytes"]
+    forced = str(max(cfg.sizes))
+    return Impl(name, f"ringreduce.all_reduce with RINGREDUCE_ONESHOT_BYTES={forced}: the "
+                      f"one-shot kernel forced, above {common.format_size(default_max)} (below, "
+                      "ringreduce runs it anyway)",
+                lambda ts: run_ringreduce(ts, cfg.op), environ={"RINGREDUCE_ONESHOT_BYTES": forced},
+                min_size=default_max + 1, below_min="one-shot by default")
+
+
 _STACK_REDUCE = {
     "sum": lambda s: s.sum(0, dtype=s.dtype),
     "avg": lambda s: s.mean(0),
@@ -433,16 +520,29 @@ def nccl_version_tuple():
     return tuple(tnccl.version()[:3])
 
 
+def probe_counts(cfg: Config) -> list[int]:
+    """The element counts the NCCL probe all-reduces, in order: NCCL_PROBE_COUNTS and the
+    run's largest size, so that a size where NCCL hangs or errs shows up in a child process
+    (the first GPU run's probe tried 4,099 elements, and the run then hung at 1 MiB)."""
+    largest = cfg.sizes[-1] // cfg.elem_size
+    return sorted(set(NCCL_PROBE_COUNTS) | {largest})
+
+
 def _probe_nccl_in_child(cfg: Config) -> str | None:
-    """Run NCCL once, small, in a child process (same dtype, op and rank layout): a crash or a
-    hang there must not take the benchmark down. None when it worked, else why not."""
+    """Run NCCL in a child process at the probe_counts (same dtype, op and rank layout): a
+    crash or a hang there must not take the benchmark down. None when it worked, else why not."""
     cmd = [sys.executable, str(Path(__file__).resolve()), NCCL_PROBE_FLAG, "--device", "cuda",
-           "--ranks", str(cfg.ranks), "--dtype", cfg.dtype_name, "--op", cfg.op]
+           "--ranks", str(cfg.ranks), "--dtype", cfg.dtype_name, "--op", cfg.op,
+           "--min-bytes", str(cfg.sizes[0]), "--max-bytes", str(cfg.sizes[-1]),
+           "--deadline", str(min(cfg.deadline_s, NCCL_PROBE_TIMEOUT_S / 4))]
+    bound = NCCL_PROBE_TIMEOUT_S
+    if cfg.budget_s is not None:  # half the run's budget at most: the sweep needs the rest
+        bound = min(bound, max(10.0, cfg.budget_s / 2))
     try:
-        res = subprocess.run(cmd, capture_output=True, text=True, timeout=NCCL_PROBE_TIMEOUT_S,
+        res = subprocess.run(cmd, capture_output=True, text=True, timeout=bound,
                              env=dict(os.environ))
     except subprocess.TimeoutExpired:
-        return f"a trial all-reduce hung (no result after {NCCL_PROBE_TIMEOUT_S} s)"
+        return f"a trial all-reduce hung (no result after {bound:g} s)"
     if res.returncode == 0 and "NCCL_PROBE_OK" in res.stdout:
         return None
     lines = [ln.strip() for ln in (res.stderr + "\n" + res.stdout).splitlines() if ln.strip()]
@@ -453,20 +553,27 @@ def _probe_nccl_in_child(cfg: Config) -> str | None:
 
 
 def nccl_probe_main(cfg: Config) -> int:
-    """Child side of _probe_nccl_in_child."""
+    """Child side of _probe_nccl_in_child: one checked all-reduce at each of probe_counts,
+    every wait bounded by --deadline (a hang exits at once, without waiting for the GPU)."""
     impl = LibNccl([d.index for d in cfg.rank_devices], cfg.op)
-    count = 4099
-    inputs = make_inputs(cfg, count, seed=12345)
-    ref = make_reference(cfg, inputs)
-    impl(inputs)
-    for d in cfg.cuda_indices:
-        torch.cuda.synchronize(d)
-    wrong = count_wrong(inputs, ref)
+    for count in probe_counts(cfg):
+        inputs = make_inputs(cfg, count, seed=12345)
+        ref = make_reference(cfg, inputs)
+        impl(inputs)
+        try:
+            common.bounded_sync(cfg.cuda_indices, cfg.deadline_s,
+                                f"a trial all-reduce of {count} elements")
+        except common.SyncTimeout as e:
+            print(f"NCCL: {e}", file=sys.stderr, flush=True)
+            os._exit(EXIT_HUNG)
+        wrong = count_wrong(inputs, ref)
+        if wrong:
+            print(f"NCCL gave {wrong} wrong elements of {count * cfg.ranks} in a trial "
+                  f"all-reduce of {count} elements", file=sys.stderr)
+            return 1
+        print(f"NCCL probe: {count} elements right", flush=True)
+    common.bounded_sync(cfg.cuda_indices, cfg.deadline_s, "the trial all-reduces")
     impl.close()
-    if wrong:
-        print(f"NCCL gave {wrong} wrong elements of {count * cfg.ranks} in a trial all-reduce",
-              file=sys.stderr)
-        return 1
     print("NCCL_PROBE_OK")
     return 0
 
@@ -525,6 +632,9 @@ def setup_nccl(cfg: Config) -> tuple[Impl | None, Unavailable | None, dict]:
         return no(f"NCCL {vtext} < 2.30",
                   f"{library.describe()} is older than 2.30 and refuses several ranks on one "
                   f"GPU (\"Duplicate GPU detected\"); {why}{hint}")
+    if shared:
+        # Before the probe's child and the communicators: NCCL reads them at communicator creation.
+        info.update(cap_shared_gpu_ctas(devices))
     reason = _probe_nccl_in_child(cfg)
     if reason is not None:
         enable = info.get("NCCL_MULTI_RANK_GPU_ENABLE")
@@ -539,6 +649,7 @@ def setup_nccl(cfg: Config) -> tuple[Impl | None, Unavailable | None, dict]:
     describe = (f"{lib.library.describe()} called directly, ncclCommInitAll(devlist={devices})"
                 + (f", NCCL_MULTI_RANK_GPU_ENABLE={info['NCCL_MULTI_RANK_GPU_ENABLE']}"
                    if shared else "")
+                + "".join(f", {k}={info[k]}" for k in CTA_ENV if k in info)
                 + f", one stream per rank; {why}")
     return Impl("nccl", describe, lib, close=lib.close), None, info
 
@@ -546,9 +657,25 @@ def setup_nccl(cfg: Config) -> tuple[Impl | None, Unavailable | None, dict]:
 # ---------------------------------------------------------------------------------------------
 # The sweep.
 
-def _sync(cfg: Config) -> None:
-    for d in cfg.cuda_indices:
-        torch.cuda.synchronize(d)
+def _sync(cfg: Config, what: str) -> None:
+    """Bounded by cfg.deadline_s (common.SyncTimeout): a hung call ends the run, not the phase."""
+    if cfg.device == "cuda":
+        common.bounded_sync(cfg.cuda_indices, cfg.deadline_s, what)
+
+
+@contextlib.contextmanager
+def environment(values: dict | None):
+    """os.environ with `values` set inside the block, as it was after it."""
+    saved = {k: os.environ.get(k) for k in values or {}}
+    os.environ.update(values or {})
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
 def _cache_bytes(cfg: Config) -> int:
@@ -576,21 +703,33 @@ def measure_size(cfg: Config, impls: list[Impl], size: int, cache_bytes: int,
     timing_devices = cfg.cuda_indices if cfg.device == "cuda" else None
 
     for impl in list(impls):
+        if size < impl.min_size:
+            row["results"][impl.name] = {"skipped": impl.below_min}
+            continue
         try:
-            for dst, src in zip(sets[0], inputs):
-                dst.copy_(src)
-            if impl.prepare is not None:
-                impl.prepare(sets)
-            impl.run(sets[0])
-            _sync(cfg)
-            wrong = count_wrong(sets[0], ref)
-            times = common.time_iterations(lambda i: impl.run(sets[i % nsets]),
-                                           cfg.iters, cfg.warmup, timing_devices)
+            with environment(impl.environ):
+                for dst, src in zip(sets[0], inputs):
+                    dst.copy_(src)
+                if impl.prepare is not None:
+                    impl.prepare(sets)
+                impl.run(sets[0])
+                _sync(cfg, f"{impl.name}'s checked call at {size} B")
+                wrong = count_wrong(sets[0], ref)
+                times = common.time_iterations(lambda i: impl.run(sets[i % nsets]),
+                                               cfg.iters, cfg.warmup, timing_devices,
+                                               cfg.deadline_s)
+        except common.SyncTimeout as e:
+            # Nothing can stop a hung kernel, and every later wait would hang behind it: the row
+            # says so and the run ends here (main writes the JSON and exits EXIT_HUNG).
+            row["results"][impl.name] = {"error": f"hung: {e}"}
+            outcome.ok = False
+            outcome.failures.append(f"{impl.name} at {size} B: hung: {e}")
+            raise Hung(row, f"{impl.name} at {size} B: {e}") from e
         except Exception as e:  # noqa: BLE001  (reported in the row; the sweep goes on)
             msg = f"{type(e).__name__}: {e}".strip()
             row["results"][impl.name] = {"error": msg}
             log(f"# {impl.name} failed at size {size}: {msg}")
-            if impl.name in ("nccl", "ringreduce-graph"):
+            if impl.name in OPTIONAL_IMPLS:
                 log(f"#   {impl.name}: further sizes skipped")
                 impls.remove(impl)
             else:
@@ -626,13 +765,15 @@ def table_cells(row: dict, impl_names: list[str], unavailable: dict[str, Unavail
         r = row["results"].get(name)
         if r is None:
             groups.append("skipped after an error")
+        elif "skipped" in r:
+            groups.append(r["skipped"])
         elif "error" in r:
             groups.append("error: " + r["error"])
         else:
             groups.append([r["time_us"], r["algbw_gbps"], r["busbw_gbps"], r["wrong"]])
     if roofline:
-        rl = row["roofline"]
-        groups.append([rl["ideal_us"], rl["ringreduce_pct_of_ideal"]])
+        rl = row.get("roofline", {})
+        groups.append([rl.get("ideal_us"), rl.get("ringreduce_pct_of_ideal")])
     return keys, groups
 
 
@@ -747,9 +888,12 @@ def header_lines(cfg: Config, desc: dict, impls: list[Impl], unavailable: dict,
 
 
 def main(argv=None, out=None) -> int:
+    started = _now()
     from_command_line = argv is None
     argv = sys.argv[1:] if argv is None else list(argv)
     out = out or sys.stdout
+    if from_command_line:
+        common.dump_stacks_on_sigterm()
 
     def log(line=""):
         print(line, file=out, flush=True)
@@ -787,21 +931,31 @@ def main(argv=None, out=None) -> int:
         return 2
 
     transport = os.environ.get("RINGREDUCE_TRANSPORT", "p2p")
-    impls = [Impl("ringreduce", "ringreduce.all_reduce"
-                  + (" (CPU ring)" if cfg.device == "cpu"
-                     else f" (RINGREDUCE_TRANSPORT={transport})"),
-                  lambda ts: run_ringreduce(ts, cfg.op))]
+    impls = []
     unavailable: dict[str, Unavailable] = {}
-    try:
-        nccl, why_not, nccl_info = setup_nccl(cfg)
-    except NcclLibraryError as e:
-        print(f"bench/ring.py: {e}", file=sys.stderr)
-        return 2
-    if nccl is not None:
-        impls.append(nccl)
-    else:
-        unavailable["nccl"] = why_not
-    if args.graph:
+    if "ringreduce" in args.impls:
+        impls.append(Impl("ringreduce", "ringreduce.all_reduce"
+                          + (" (CPU ring)" if cfg.device == "cpu"
+                             else f" (RINGREDUCE_TRANSPORT={transport})"),
+                          lambda ts: run_ringreduce(ts, cfg.op)))
+    if "oneshot" in args.impls:
+        forced = forced_oneshot(cfg, transport)
+        if isinstance(forced, Impl):
+            impls.append(forced)
+        else:
+            unavailable[forced.name] = forced
+    nccl_info: dict = {"route": None, "reason": "not asked for (--impls)"}
+    if "nccl" in args.impls:
+        try:
+            nccl, why_not, nccl_info = setup_nccl(cfg)
+        except NcclLibraryError as e:
+            print(f"bench/ring.py: {e}", file=sys.stderr)
+            return 2
+        if nccl is not None:
+            impls.append(nccl)
+        else:
+            unavailable["nccl"] = why_not
+    if "graph" in args.impls:
         if cfg.device == "cuda" and cfg.one_gpu:
             graphed = GraphedRingreduce(cfg.op)
             impls.append(Impl("ringreduce-graph", "ringreduce.all_reduce captured in a CUDA "
@@ -811,6 +965,20 @@ def main(argv=None, out=None) -> int:
             unavailable["ringreduce-graph"] = Unavailable(
                 "ringreduce-graph", "needs ranks on one GPU",
                 "--graph: capture needs every rank on one GPU and one stream")
+    if not impls:
+        for u in unavailable.values():
+            print(f"bench/ring.py: {u.name}: {u.detail}", file=sys.stderr)
+        print("bench/ring.py: nothing to measure: no implementation --impls names can run here",
+              file=sys.stderr)
+        if args.json:  # the reasons, where the rows would have been
+            common.write_json(args.json, {
+                "config": {**describe_run(cfg, argv), "nccl": nccl_info,
+                           "unavailable": {u.name: u.detail for u in unavailable.values()}},
+                "rows": [], "complete": True, "ok": False,
+                "failures": ["nothing to measure: " + "; ".join(
+                    f"{u.name}: {u.detail}" for u in unavailable.values())],
+                "stopped": None, "not_run": cfg.sizes})
+        return 1
     if cfg.device == "cpu":
         impls.append(Impl("reference", "torch.stack + reduce + copy back into every rank",
                           lambda ts: run_stack_reference(ts, cfg.op)))
@@ -819,7 +987,7 @@ def main(argv=None, out=None) -> int:
     impl_names = [i.name for i in impls] + (list(unavailable) if cfg.device == "cuda" else [])
 
     copy_bw = None
-    if cfg.one_gpu:
+    if cfg.one_gpu and "ringreduce" in args.impls:
         copy_bw = common.cuda_copy_bandwidth(cfg.cuda_indices[0])
     cache_bytes = _cache_bytes(cfg)
     desc = describe_run(cfg, argv)
@@ -842,6 +1010,16 @@ def main(argv=None, out=None) -> int:
     outcome = Outcome()
     rows = []
     running = list(impls)
+    result = {"config": desc, "rows": rows, "complete": False, "ok": outcome.ok,
+              "failures": outcome.failures, "stopped": None, "not_run": []}
+
+    def save():  # after every size: a run killed later still leaves the sizes it finished
+        if args.json:
+            result["ok"] = outcome.ok
+            common.write_json(args.json, result)
+
+    save()
+    hung = None
     try:
         with Progress(len(cfg.sizes), "sizes", quiet=args.quiet, leave=False,
                       unit="size") as bar:
@@ -849,17 +1027,36 @@ def main(argv=None, out=None) -> int:
                 with bar.hidden():
                     log(line)
 
-            for size in cfg.sizes:
-                row = measure_size(cfg, running, size, cache_bytes, copy_bw, outcome,
-                                   log_above_bar)
+            last_s = 0.0
+            for i, size in enumerate(cfg.sizes):
+                elapsed = _now() - started
+                if args.budget is not None and elapsed + 2 * last_s > args.budget:
+                    result["not_run"] = cfg.sizes[i:]
+                    result["stopped"] = (f"--budget {args.budget:g} s: {elapsed:.0f} s spent, "
+                                         f"the next size would take about {2 * last_s:.0f} s")
+                    break
+                t0 = _now()
+                try:
+                    row = measure_size(cfg, running, size, cache_bytes, copy_bw, outcome,
+                                       log_above_bar)
+                except Hung as e:
+                    row, hung = e.row, e
+                last_s = _now() - t0
+                row["seconds"] = round(last_s, 3)
                 rows.append(row)
                 keys, cells = table_cells(row, impl_names, unavailable, copy_bw is not None)
                 log_above_bar(table.row(keys, cells))
                 bar.update()
+                if hung is not None:
+                    result["not_run"] = cfg.sizes[i + 1:]
+                    result["stopped"] = f"hung: {hung}"
+                    break
+                save()
     finally:
-        for impl in impls:
-            if impl.close is not None:
-                impl.close()
+        if hung is None:
+            for impl in impls:
+                if impl.close is not None:
+                    impl.close()
 
     total_wrong = sum(r.get("wrong", 0) for row in rows for r in row["results"].values())
     log(f"# Out of bounds values : {total_wrong} {'OK' if outcome.ok else 'FAILED'}")
@@ -870,10 +1067,14 @@ def main(argv=None, out=None) -> int:
             log(f"# Avg bus bandwidth    : {sum(bws) / len(bws):.3f} GB/s ({name})")
     for f in outcome.failures:
         log(f"# FAILED: {f}")
+    log(f"# Sizes run            : {len(rows)} of {len(cfg.sizes)}"
+        + (f" (stopped: {result['stopped']}; not run: "
+           f"{', '.join(common.format_size(n) for n in result['not_run']) or 'none'})"
+           if result["stopped"] else "")
+        + f", {_now() - started:.0f} s")
 
-    result = {"config": desc, "rows": rows, "ok": outcome.ok, "failures": outcome.failures}
-    if args.json:
-        common.write_json(args.json, result)
+    result["complete"] = not result["stopped"]
+    save()
     if args.csv:
         common.write_csv(args.csv, csv_fields(impl_names, copy_bw is not None),
                          (csv_row(row, cfg, impl_names, unavailable) for row in rows))
@@ -881,7 +1082,16 @@ def main(argv=None, out=None) -> int:
         machine = desc["cuda"]["gpus"][0]["name"] if cfg.device == "cuda" else desc["host"]["cpu"]
         title = f"all_reduce {cfg.dtype_name} {cfg.op}, {cfg.layout}; {machine}"
         write_plot(args.plot, rows, impl_names, title)
-    return 0 if outcome.ok else 1
+    if hung is not None:
+        if from_command_line:
+            # A hung kernel: CUDA's teardown at exit would wait for it for ever.
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(EXIT_HUNG)
+        return EXIT_HUNG
+    if not outcome.ok:
+        return 1
+    return EXIT_BUDGET if result["stopped"] else 0
 
 
 if __name__ == "__main__":

@@ -80,7 +80,8 @@ rehearsal=0
 mkdir -p "$work/out"
 # This machine has 2 cores, not the GPU machine's 16: the build gets the time it needs here.
 (cd "$work/src" && offline env PATH="$work/venv/bin:$CUDA_HOME/bin:$PATH" OUT="$work/out" \
-   BUILD_TIMEOUT=1500 CALL_BUDGET=1800 bash scripts/gpu_check.sh build smoke) || rehearsal=$?
+   BUILD_TIMEOUT=1500 SMOKE_TIMEOUT=300 CALL_BUDGET=1800 bash scripts/gpu_check.sh build smoke) ||
+  rehearsal=$?
 cat "$work/out/summary.txt" 2>/dev/null || true
 if ! grep -q "^build: exit 0" "$work/out/summary.txt" 2>/dev/null ||
    ! grep -q "^smoke: exit 1; smoke: FAIL: torch sees no GPU" "$work/out/summary.txt"; then

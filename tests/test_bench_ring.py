@@ -8,8 +8,11 @@ import json
 import math
 import os
 import subprocess
+import signal
 import sys
+import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -275,10 +278,12 @@ def fake_nccl_torch(monkeypatch):
     monkeypatch.setattr(torch._C, "_nccl_all_reduce", object(), raising=False)
     monkeypatch.setattr(ring, "torch_nccl_accepts", lambda cfg: False)
     # setenv first: delenv of an unset variable records nothing, and setup_nccl sets
-    # NCCL_MULTI_RANK_GPU_ENABLE, which must not outlive the test.
-    for name in ("NCCL_MULTI_RANK_GPU_ENABLE", "RINGREDUCE_NCCL_LIB"):
+    # NCCL_MULTI_RANK_GPU_ENABLE and the CTA bounds, which must not outlive the test.
+    for name in ("NCCL_MULTI_RANK_GPU_ENABLE", "RINGREDUCE_NCCL_LIB", *ring.CTA_ENV):
         monkeypatch.setenv(name, "")
         monkeypatch.delenv(name)
+    monkeypatch.setattr(torch.cuda, "get_device_properties",
+                        lambda d: SimpleNamespace(multi_processor_count=132))  # an H100's
 
 
 def test_old_nccl_on_one_gpu_is_named_in_its_column(monkeypatch, fake_nccl_torch):
@@ -307,6 +312,61 @@ def test_nccl_that_fails_its_trial_is_not_used(monkeypatch, fake_nccl_torch):
     impl, why, info = ring.setup_nccl(_shared_gpu_config())
     assert impl is None
     assert "hung" in why.detail and "NCCL_MULTI_RANK_GPU_ENABLE=1" in why.detail
+
+
+def test_nccl_on_a_shared_gpu_runs_with_its_ctas_capped(monkeypatch, fake_nccl_torch):
+    """Four ranks' NCCL kernels on one GPU spin on each other and must all be resident: the CTA
+    bounds are in the environment before the probe's child starts (and so before any
+    communicator), named in the JSON's NCCL entry; a caller's own value wins."""
+    monkeypatch.setattr(ring, "nccl_version_tuple", lambda: (2, 30, 7))
+    seen = {}
+
+    def probe(cfg):
+        seen.update({k: os.environ.get(k) for k in ring.CTA_ENV})
+        return "stopped here: the test needs no communicator"
+
+    monkeypatch.setattr(ring, "_probe_nccl_in_child", probe)
+    impl, why, info = ring.setup_nccl(_shared_gpu_config())
+    assert impl is None and "stopped here" in why.detail
+    assert seen == {"NCCL_MIN_CTAS": "1", "NCCL_MAX_CTAS": "16"}
+    assert info["NCCL_MAX_CTAS"] == "16"
+    monkeypatch.setenv("NCCL_MAX_CTAS", "4")
+    ring.setup_nccl(_shared_gpu_config())
+    assert seen["NCCL_MAX_CTAS"] == "4"
+
+
+def test_cta_cap_leaves_room_for_every_rank():
+    from ringreduce.train import nccl
+    assert nccl.shared_gpu_cta_cap(4, 132) == 16
+    assert nccl.shared_gpu_cta_cap(8, 132) == 8
+    assert nccl.shared_gpu_cta_cap(2, 132) == nccl.MAX_CTAS_SHARED
+    assert nccl.shared_gpu_cta_cap(64, 132) == 1
+    for ranks in range(2, 65):
+        cap = nccl.shared_gpu_cta_cap(ranks, 132)
+        assert cap * ranks <= 132 // 2 or cap == 1
+    env = {}
+    assert nccl.cap_shared_gpu_ctas([0, 1, 2, 3], env) == {} and env == {}
+
+
+def test_nccl_probe_covers_the_sizes_of_the_run(monkeypatch):
+    """The probe tries more than the 4,099 elements of the first GPU run (which then hung at
+    1 MiB): an odd count, just over 1 MiB, and the run's largest size, passed to the child."""
+    cfg = _shared_gpu_config()
+    cfg.sizes = common.doubling_sizes(8, 256 * common.MiB, 4)
+    counts = ring.probe_counts(cfg)
+    assert counts[0] == 4099 and (1 << 18) < counts[1] < (1 << 19)
+    assert counts[-1] == 64 * common.MiB
+    commands = []
+
+    def fake_run(cmd, **kwargs):
+        commands.append(cmd)
+        return SimpleNamespace(returncode=0, stdout="NCCL_PROBE_OK\n", stderr="")
+
+    monkeypatch.setattr(ring.subprocess, "run", fake_run)
+    assert ring._probe_nccl_in_child(cfg) is None
+    cmd = commands[0]
+    assert cmd[cmd.index("--max-bytes") + 1] == str(256 * common.MiB)
+    assert float(cmd[cmd.index("--deadline") + 1]) <= ring.NCCL_PROBE_TIMEOUT_S / 4
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the probe's failure report")
@@ -458,9 +518,9 @@ def test_graph_column_times_replays_not_captures(monkeypatch, tmp_path):
     real_time = common.time_iterations
     seen = {}
 
-    def timed(fn, iters, warmup, devices=None):
+    def timed(fn, iters, warmup, devices=None, deadline=common.SYNC_DEADLINE_S):
         seen["before"] = fake.captures
-        out = real_time(fn, iters, warmup, devices)
+        out = real_time(fn, iters, warmup, devices, deadline)
         seen["after"] = fake.captures
         return out
 
@@ -476,3 +536,177 @@ def test_graph_column_times_replays_not_captures(monkeypatch, tmp_path):
     assert nsets == cfg.iters + cfg.warmup
     assert row["results"]["ringreduce-graph"]["wrong"] == 0, row
     assert seen == {"before": nsets, "after": nsets}, f"captures in the timed loop: {seen}"
+
+
+# ---------------------------------------------------------------------------------------------
+# A run that NCCL (or anything else) cannot cost: columns chosen per run, rows in the JSON as
+# they finish, a hang or a spent budget ending the run with what finished, stacks on SIGTERM.
+
+def test_impls_choose_the_columns(tmp_path, capsys):
+    rc, text = run_main([*TINY, "--max-bytes", "64", "--impls", "ringreduce"])
+    assert rc == 0
+    names = next(ln for ln in text.splitlines() if ln.split()[:2] == ["#", "size"])
+    assert names.split().count("#wrong") == 2  # ringreduce and the CPU reference
+    with pytest.raises(SystemExit):
+        ring.main([*TINY, "--impls", "ringreduce,bogus"])
+    assert "bogus" in capsys.readouterr().err
+    # NCCL alone on CPU: nothing can run, and the run says so instead of printing an empty table
+    jpath = tmp_path / "r.json"
+    rc, text = run_main([*TINY, "--max-bytes", "64", "--impls", "nccl", "--json", str(jpath)])
+    assert rc == 1 and data_rows(text) == []
+    assert "nothing to measure" in capsys.readouterr().err
+    data = json.loads(jpath.read_text())
+    assert data["rows"] == [] and data["ok"] is False and "nccl" in data["config"]["unavailable"]
+
+
+def test_forced_oneshot_column_on_one_gpu():
+    """The one-shot kernel forced through RINGREDUCE_ONESHOT_BYTES above every size, only at the
+    sizes where ringreduce's own choice is the ring; unavailable where ranks are not on one GPU."""
+    cfg = _shared_gpu_config()
+    cfg.sizes = common.doubling_sizes(8, 256 * common.MiB, 4)
+    impl = ring.forced_oneshot(cfg, "p2p")
+    assert impl.name == "ringreduce-oneshot"
+    assert impl.environ == {"RINGREDUCE_ONESHOT_BYTES": str(256 * common.MiB)}
+    assert impl.min_size == ringreduce.settings()["oneshot_max_bytes"] + 1
+    assert isinstance(ring.forced_oneshot(cfg, "copy"), ring.Unavailable)
+    cpu = ring.make_config(*_parsed([*TINY]))
+    assert isinstance(ring.forced_oneshot(cpu, "p2p"), ring.Unavailable)
+
+
+def _parsed(argv):
+    parser, args = ring.parse_args(argv)
+    return parser, args
+
+
+def test_an_implementation_runs_with_its_environment_and_from_its_size(monkeypatch):
+    """measure_size sets an implementation's variables around its calls only, restores them,
+    and marks the sizes below its first as skipped with the reason (no timing, no failure)."""
+    monkeypatch.setenv("RINGREDUCE_ONESHOT_BYTES", "123")
+    cfg = ring.make_config(*_parsed([*TINY, "--max-bytes", "64"]))
+    seen = []
+
+    def run(ts):
+        seen.append(os.environ.get("RINGREDUCE_ONESHOT_BYTES"))
+        ring.run_ringreduce(ts, "sum")
+
+    impls = [ring.Impl("forced", "test", run, environ={"RINGREDUCE_ONESHOT_BYTES": "999"},
+                       min_size=32, below_min="one-shot by default")]
+    outcome = ring.Outcome()
+    rows = [ring.measure_size(cfg, impls, size, 1 << 20, None, outcome, lambda line: None)
+            for size in (16, 32)]
+    assert rows[0]["results"]["forced"] == {"skipped": "one-shot by default"}
+    assert rows[1]["results"]["forced"]["wrong"] == 0
+    assert seen and set(seen) == {"999"}
+    assert os.environ["RINGREDUCE_ONESHOT_BYTES"] == "123" and outcome.ok
+    keys, cells = ring.table_cells(rows[0], ["forced"], {}, roofline=False)
+    assert cells == ["one-shot by default"]
+
+
+def test_a_hang_ends_the_run_with_the_rows_that_finished(tmp_path, monkeypatch):
+    """A wait past --deadline (common.SyncTimeout) at one size: that row says 'hung', the JSON
+    holds it and every row before it, the sizes after it are listed as not run, exit 3."""
+    real = ring.run_ringreduce
+
+    def hangs_from_64(ts, op):
+        if ts[0].numel() * ts[0].element_size() >= 64:
+            raise common.SyncTimeout("ringreduce's call on cuda:0 had not finished after 1 s")
+        real(ts, op)
+
+    monkeypatch.setattr(ring, "run_ringreduce", hangs_from_64)
+    jpath = tmp_path / "r.json"
+    rc, text = run_main([*TINY, "--max-bytes", "1K", "--json", str(jpath)])
+    assert rc == ring.EXIT_HUNG
+    data = json.loads(jpath.read_text())
+    assert [r["size"] for r in data["rows"]] == [8, 16, 32, 64]
+    assert data["rows"][-1]["results"]["ringreduce"]["error"].startswith("hung: ")
+    assert data["not_run"] == [128, 256, 512, 1024]
+    assert data["complete"] is False and data["ok"] is False and "hung" in data["stopped"]
+    assert "Sizes run            : 4 of 8 (stopped: hung" in text
+
+
+def test_budget_stops_starting_sizes(tmp_path, monkeypatch):
+    """--budget: a size is not started when the time spent plus twice the last size's would pass
+    it; the sizes not run are listed, and the exit status is 4 (all that ran was right)."""
+    clock = [1000.0]
+    monkeypatch.setattr(ring, "_now", lambda: clock[0])
+    real = ring.measure_size
+
+    def one_second_each(*args, **kwargs):
+        clock[0] += 1.0
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(ring, "measure_size", one_second_each)
+    jpath = tmp_path / "r.json"
+    rc, text = run_main([*TINY, "--max-bytes", "1K", "--budget", "5.5", "--json", str(jpath)])
+    assert rc == ring.EXIT_BUDGET
+    data = json.loads(jpath.read_text())
+    # starts at 0, 1, 2 and 3 s (3 + 2 * 1 <= 5.5); not at 4 s (4 + 2 > 5.5)
+    assert [r["size"] for r in data["rows"]] == [8, 16, 32, 64]
+    assert data["not_run"] == [128, 256, 512, 1024] and data["ok"] is True
+    assert "--budget 5.5 s" in data["stopped"] and data["complete"] is False
+
+
+def test_killed_run_leaves_the_sizes_it_finished_and_its_stacks(tmp_path):
+    """The JSON is rewritten after every size, so a run killed mid-sweep (SIGTERM, as `timeout`
+    sends) leaves the finished rows; faulthandler prints every thread's stack on stderr and the
+    process still dies of the signal."""
+    jpath = tmp_path / "r.json"
+    proc = subprocess.Popen(
+        [sys.executable, str(BENCH), "--device", "cpu", "--iters", "20", "--warmup", "2",
+         "--max-bytes", "256M", "--json", str(jpath)],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
+        start_new_session=True)
+    try:
+        deadline = time.monotonic() + 240
+        rows = []
+        while time.monotonic() < deadline and proc.poll() is None:
+            try:
+                rows = json.loads(jpath.read_text())["rows"]
+            except (OSError, ValueError):
+                rows = []
+            if len(rows) >= 3:
+                break
+            time.sleep(0.05)
+        assert len(rows) >= 3 and proc.poll() is None, "the run ended or wrote no rows"
+        proc.send_signal(signal.SIGTERM)
+        out, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.communicate(timeout=60)
+    assert proc.returncode == -signal.SIGTERM, (proc.returncode, err[-2000:])
+    assert "most recent call first" in err and "ring.py" in err, err[-2000:]
+    data = json.loads(jpath.read_text())
+    assert data["complete"] is False and len(data["rows"]) >= 3
+    sizes = [r["size"] for r in data["rows"]]
+    assert sizes == [8 << k for k in range(len(sizes))]
+    for r in data["rows"]:
+        assert r["results"]["ringreduce"]["wrong"] == 0 and r["seconds"] >= 0
+    printed = [int(ln.split()[0]) for ln in data_rows(out)]
+    assert printed[:len(sizes)] == sizes
+
+
+def test_bounded_sync_gives_up_at_its_deadline(monkeypatch):
+    """common.bounded_sync polls an event on each device's current stream: it returns once the
+    events complete, and raises SyncTimeout naming the device where one never does."""
+    class FakeEvent:
+        done_after = 3
+
+        def __init__(self):
+            self.queries = 0
+
+        def record(self, stream):
+            self.stream = stream
+
+        def query(self):
+            self.queries += 1
+            return self.queries > self.done_after
+
+    monkeypatch.setattr(torch.cuda, "Event", FakeEvent)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda d: f"stream {d}")
+    common.bounded_sync([0, 1], 5.0, "the test's work")
+    FakeEvent.done_after = 10 ** 9
+    start = time.monotonic()
+    with pytest.raises(common.SyncTimeout, match=r"the test's work on cuda:0 .* after 0.2 s"):
+        common.bounded_sync([0], 0.2, "the test's work")
+    assert time.monotonic() - start < 5

@@ -18,13 +18,23 @@ FIRST = os.path.join(ROOT, "scripts", "gpu_first.txt")
 CC = shutil.which("cc") or shutil.which("gcc")
 
 
-def first_ids():
-    with open(FIRST) as f:
+CRASH = os.path.join(ROOT, "scripts", "gpu_crash.txt")
+GPU_CHECK = os.path.join(ROOT, "scripts", "gpu_check.sh")
+
+
+def ids_in(path):
+    with open(path) as f:
         return [line.strip() for line in f if line.strip() and not line.startswith("#")]
 
 
+def first_ids():
+    return ids_in(FIRST)
+
+
 def test_first_selection_names_existing_tests():
-    ids = first_ids()
+    """Both selections (`first`, and `crash`: the tests that crashed last time) name tests that
+    exist, each once: none in both (phase `gpu` deselects both)."""
+    ids = first_ids() + ids_in(CRASH)
     assert len(ids) == len(set(ids)), "an id is listed twice"
     proc = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q",
                            "-p", "no:cacheprovider", *ids],
@@ -86,3 +96,132 @@ def test_symbolizer_leaves_a_log_without_crashes_alone(tmp_path):
     out = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "symbolize_backtraces.py"),
                           str(log)], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0 and out.stdout == "", out.stdout + out.stderr
+
+
+def plan():
+    out = subprocess.run(["bash", GPU_CHECK, "--plan"], capture_output=True, text=True,
+                         timeout=60, cwd=ROOT)
+    assert out.returncode == 0, out.stderr
+    lines = [line.split(maxsplit=1) for line in out.stdout.splitlines()]
+    return {name: rest for name, rest in lines}, [name for name, _ in lines[1:]]
+
+
+def test_default_command_fits_nine_minutes_in_order_of_value():
+    """The default command's phases in the order the issue asks (build, smoke, the crashes, the
+    benchmark without NCCL, NCCL on its own, ResNet-18 and the trainer, the rest of `first`, then
+    every GPU test), each with a cap; with a carried build the caps add up to a minute under
+    CALL_BUDGET, itself at most 9 minutes, a minute under the device tool's 10."""
+    caps, order = plan()
+    assert order == ["build", "smoke", "crash", "bench", "nccl", "resnet18", "train", "first",
+                     "gpu"]
+    budget = int(caps["budget"])
+    assert budget <= 540
+    carried, building = re.fullmatch(r"(\d+) carried, (\d+) building", caps["build"]).groups()
+    assert caps["gpu"] == "rest"
+    fixed = int(carried) + sum(int(caps[p]) for p in order if p not in ("build", "gpu"))
+    assert fixed + 60 <= budget, f"the caps add up to {fixed} s of {budget} s"
+    assert int(building) <= budget // 3  # a build made there still leaves room for the rest
+    assert all(int(caps[p]) >= 30 for p in order if p not in ("build", "gpu"))
+
+
+def test_default_phases_run_each_piece_bounded(tmp_path):
+    """The default command rehearsed with a stand-in python3 that records its calls: each crash
+    test in a pytest process of its own under the tracing preload; ringreduce's benchmark (4 ranks
+    to 256 MiB, 8 ranks from 1 MiB, the one-shot column) before NCCL's, which runs alone with
+    NCCL's log to a file; both ResNet-18 runs; the trainer with each all-reduce; every run with a
+    bound and a budget inside its phase's cap; a summary line for every phase."""
+    work = tmp_path / "tree"
+    (work / "scripts").mkdir(parents=True)
+    for name in ("gpu_check.sh", "gpu_first.txt", "gpu_crash.txt", "segv_backtrace.c"):
+        shutil.copy(os.path.join(ROOT, "scripts", name), work / "scripts" / name)
+    calls = tmp_path / "calls.log"
+    stub = tmp_path / "bin" / "python3"
+    stub.parent.mkdir()
+    stub.write_text("#!/bin/sh\n"
+                    f'echo "$* NCCL_DEBUG_FILE=$NCCL_DEBUG_FILE LD_PRELOAD=$LD_PRELOAD" >> {calls}\n'
+                    'case "$*" in *test_65_ranks*) exit 1 ;; esac\nexit 0\n')
+    stub.chmod(0o755)
+    env = {**os.environ, "PATH": f"{stub.parent}:{os.environ['PATH']}", "OUT": str(tmp_path / "out")}
+    for name in ("RINGREDUCE_NCCL_LIB", "NCCL_DEBUG", "NCCL_DEBUG_FILE", "CALL_BUDGET"):
+        env.pop(name, None)
+    proc = subprocess.run(["bash", str(work / "scripts" / "gpu_check.sh"), "smoke", "crash",
+                           "bench", "nccl", "resnet18", "train"],
+                          capture_output=True, text=True, timeout=300, cwd=work, env=env)
+    assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-3000:]  # the failing crash test
+    log = calls.read_text().splitlines()
+    crash = [ln for ln in log if "-m pytest" in ln]
+    assert [ln.split()[-3] for ln in crash] == ids_in(CRASH)
+    assert all("segv_backtrace.so" in ln for ln in crash)
+    benches = [ln for ln in log if ln.startswith("bench/ring.py")]
+    assert [(b.split("--impls ")[1].split()[0], b.split("--ranks ")[1].split()[0])
+            for b in benches] == [("ringreduce,oneshot", "4"), ("ringreduce,oneshot", "8"),
+                                  ("nccl", "4"), ("nccl", "8")]
+    for b in benches:
+        assert "--max-bytes 256M" in b and "--budget" in b and "--deadline" in b
+        assert ("--min-bytes 1M" in b) == ("--ranks 8" in b)
+    for b in benches[:2]:
+        assert "NCCL_DEBUG_FILE= " in b  # ringreduce's runs: no NCCL at all
+    for b in benches[2:]:
+        assert f"NCCL_DEBUG_FILE={work}/gpu-logs/nccl/bench.%h.%p.log" in b
+    resnet = [ln for ln in log if ln.startswith("bench/resnet18.py")]
+    assert len(resnet) == 2 and "--methods ring,nccl" in resnet[1]
+    trains = [ln.split("--allreduce ")[1].split()[0] for ln in log if "ringreduce.train" in ln]
+    assert trains == ["ring", "naive", "nccl"]
+    caps, _ = plan()
+    bounds = re.findall(r"== (\w+) \(bound (\d+) s", proc.stdout)
+    inner = [(int(b), ln) for b, ln in re.findall(r"\(bound (\d+) s\) (.*)", proc.stdout)]
+    assert {name for name, _ in bounds} == {"smoke", "crash", "bench", "nccl", "resnet18", "train"}
+    for name, bound in bounds:
+        assert int(bound) <= int(caps[name])
+    assert inner and all(0 < b <= 100 for b, _ in inner)
+    summary = (tmp_path / "out" / "summary.txt").read_text()
+    assert "crash: exit 1; result: 8 passed, 1 failed of 9" in summary, summary
+    for name in ("bench", "nccl", "resnet18", "train"):
+        assert re.search(rf"^{name}: exit 0; result: ", summary, re.M), summary
+
+
+def test_build_phase_imports_a_carried_build_and_builds_only_without_one(tmp_path):
+    """`build` builds (scripts/setup.sh) and stamps the tree's hash where there is no build; a
+    tree with a stamp of its own sources (a build carried from here, or made on a warm machine)
+    is import-checked and not rebuilt; one whose import fails is built again; a changed source
+    makes the stamp stale. Rehearsed with stand-ins for python3 and setup.sh."""
+    work = tmp_path / "tree"
+    for d in ("scripts", "csrc/ring", "ringreduce"):
+        (work / d).mkdir(parents=True)
+    shutil.copy(GPU_CHECK, work / "scripts" / "gpu_check.sh")
+    for name in ("gpu_first.txt", "gpu_crash.txt", "segv_backtrace.c"):
+        shutil.copy(os.path.join(ROOT, "scripts", name), work / "scripts" / name)
+    for f in ("setup.py", "ringreduce/_build.py", "csrc/bindings.cpp", "csrc/ring/plan.h"):
+        (work / f).write_text(f"// {f}\n")
+    calls = tmp_path / "calls.log"
+    (work / "scripts" / "setup.sh").write_text(f'echo "setup.sh" >> {calls}\n')
+    stub = tmp_path / "bin" / "python3"
+    stub.parent.mkdir()
+    stub.write_text("#!/bin/sh\n"
+                    f'echo "python3 $*" >> {calls}\n'
+                    'case "$*" in *build_info*) exit "${STUB_IMPORT_RC:-0}" ;; esac\nexit 0\n')
+    stub.chmod(0o755)
+    env = {**os.environ, "PATH": f"{stub.parent}:{os.environ['PATH']}"}
+    for name in ("OUT", "CALL_BUDGET", "BUILD_TIMEOUT"):
+        env.pop(name, None)
+
+    def build(**extra):
+        calls.write_text("")
+        proc = subprocess.run(["bash", str(work / "scripts" / "gpu_check.sh"), "build"],
+                              capture_output=True, text=True, timeout=300, cwd=work,
+                              env={**env, **extra})
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+        return calls.read_text().splitlines(), proc.stdout
+
+    ran, _ = build()
+    assert "setup.sh" in ran  # nothing built yet
+    stamp = (work / "build" / "gpu_check.stamp").read_text()
+    ran, out = build()
+    assert "setup.sh" not in ran and "imports; not rebuilt" in out
+    assert any("from ringreduce import _dist_C" in line for line in ran)
+    ran, out = build(STUB_IMPORT_RC="1")
+    assert "setup.sh" in ran and "does not import: building here" in out
+    (work / "csrc" / "ring" / "plan.h").write_text("// changed\n")
+    ran, _ = build()
+    assert "setup.sh" in ran
+    assert (work / "build" / "gpu_check.stamp").read_text() != stamp

@@ -214,6 +214,8 @@ torch._C._nccl_all_reduce = object()  # pretend this CPU torch has NCCL
 ring.nccl_version_tuple = torch_version_not_wanted
 ring.torch_nccl_accepts = lambda cfg: len(set(cfg.rank_devices)) == cfg.ranks
 ring._probe_nccl_in_child = lambda cfg: "stub trial (no GPU here)"
+# an H100's SMs, for the CTA cap of ranks sharing a GPU
+torch.cuda.get_device_properties = lambda d: type("P", (), {"multi_processor_count": 132})()
 gpus = int(sys.argv[2])
 cfg = ring.Config(device="cuda", rank_devices=[torch.device("cuda", r % gpus) for r in range(4)],
                   dtype_name="float32", op="sum", sizes=[8], iters=1, warmup=0, seed=0,

@@ -37,6 +37,39 @@ PRELOADED_ENV = "RINGREDUCE_NCCL_PRELOADED"
 NEWER_NCCL_HINT = (f"point {NCCL_LIB_ENV} at a libnccl.so.2 >= 2.30, e.g. the sm_90 build that "
                    "scripts/nccl_carry.sh takes to the GPU machine")
 
+# NCCL's bounds on the CTAs (channels) of one communicator's kernel (NCCL_MIN_CTAS and
+# NCCL_MAX_CTAS, read at communicator creation since NCCL 2.17; the names and their reading in
+# init.cc unchanged through 2.28-2.30). Ranks that share a GPU spin on each other inside their
+# kernels, so every rank's kernel must be resident at once: cap_shared_gpu_ctas keeps the
+# ranks' CTAs together within half the GPU's SMs, at most MAX_CTAS_SHARED each.
+CTA_ENV = ("NCCL_MIN_CTAS", "NCCL_MAX_CTAS")
+MAX_CTAS_SHARED = 16
+
+
+def shared_gpu_cta_cap(ranks_per_gpu, sms):
+    """NCCL_MAX_CTAS for `ranks_per_gpu` ranks on a GPU of `sms` SMs: their CTAs together take
+    at most half the SMs (room for one CTA of each on an SM of its own, and for the rest of the
+    GPU's work), between 1 and MAX_CTAS_SHARED each."""
+    return max(1, min(MAX_CTAS_SHARED, sms // (2 * ranks_per_gpu)))
+
+
+def cap_shared_gpu_ctas(devices, environ=None):
+    """Where ranks share a GPU, set NCCL_MAX_CTAS (shared_gpu_cta_cap, for the GPU holding the
+    most ranks) and NCCL_MIN_CTAS=1 in `environ` (os.environ) unless the caller set them, before
+    any communicator exists. Returns the values in force, {} where no GPU holds two ranks."""
+    environ = os.environ if environ is None else environ
+    index = [torch.device(d).index if not isinstance(d, int) else d for d in devices]
+    counts = {d: index.count(d) for d in set(index)}
+    most = max(counts.values(), default=0)
+    if most < 2:
+        return {}
+    sms = min(torch.cuda.get_device_properties(d).multi_processor_count
+              for d, n in counts.items() if n == most)
+    environ.setdefault("NCCL_MAX_CTAS", str(shared_gpu_cta_cap(most, sms)))
+    environ.setdefault("NCCL_MIN_CTAS", "1")
+    return {k: environ[k] for k in CTA_ENV}
+
+
 ORIGIN_ENV = f"from {NCCL_LIB_ENV}"
 ORIGIN_TORCH = "torch's bundled"
 ORIGIN_MAPS = "from /proc/self/maps"
@@ -291,6 +324,7 @@ class LibNccl:
             raise ValueError(f"NCCL all-reduce: op must be one of {', '.join(NCCL_OPS)}; got {op!r}")
         self._op = NCCL_OPS[op]
         self.devices = [torch.device(d).index if not isinstance(d, int) else d for d in devices]
+        self.ctas = cap_shared_gpu_ctas(self.devices)
         n = len(self.devices)
         self._comms = (C.c_void_p * n)()
         self._check(lib.ncclCommInitAll(self._comms, n, (C.c_int * n)(*self.devices)),

@@ -259,6 +259,37 @@ int64_t oneshot_setting(const std::string& fn) {
   return bytes;
 }
 
+// RINGREDUCE_HALF_ROUNDING (rr::cpu::half_rounding_setting): how CPU float16 and bfloat16
+// sums and averages round. The CUDA paths round on every hop whatever it says, until a GPU run
+// checks a once-rounded kernel.
+rr::cpu::HalfRounding half_rounding_setting(const std::string& fn) {
+  try {
+    return rr::cpu::half_rounding_setting();
+  } catch (const std::invalid_argument& e) {
+    TORCH_CHECK_VALUE(false, fn, ": ", e.what());
+  }
+  return rr::cpu::HalfRounding::Once;
+}
+
+// CPU float16 / bfloat16 sums and averages over two ranks or more, rounded once
+// (cpu_executor.h): `run` gets the GIL released, then the written tensors' versions are bumped.
+template <typename Run>
+bool ran_once_rounded(const std::string& fn, const std::vector<at::Tensor>& ranks, rr::DType dtype,
+                      rr::Op op, const std::vector<at::Tensor>& written, Run run) {
+  // Only 16-bit float sums read the setting: no other call pays for it or fails on it.
+  if (ranks[0].is_cuda() || ranks.size() < 2 || ranks[0].numel() == 0 ||
+      !rr::cpu::rounds_once(dtype, op, rr::cpu::HalfRounding::Once) ||
+      half_rounding_setting(fn) != rr::cpu::HalfRounding::Once) {
+    return false;
+  }
+  {
+    pybind11::gil_scoped_release no_gil;
+    run();
+  }
+  bump_versions(written);
+  return true;
+}
+
 // Runs a validated plan. `ranks` holds a tensor per rank (its device is the rank's device),
 // `touched` every tensor the plan reads or writes, `written` those whose values change.
 // Returns the neighbour pairs that had to be staged (no peer access); empty on CPU.
@@ -421,6 +452,12 @@ std::vector<std::string> all_reduce(const std::vector<at::Tensor>& tensors,
 
   const std::vector<at::Tensor>& out = in_place ? tensors : outputs;
   const std::vector<void*> in_ptrs = pointers(tensors), out_ptrs = pointers(out);
+  if (ran_once_rounded(fn, tensors, dtype, op, out, [&] {
+        rr::cpu::all_reduce_once(in_ptrs.data(), out_ptrs.data(), int(tensors.size()),
+                                 tensors[0].numel(), dtype, op);
+      })) {
+    return {};
+  }
   const rr::Plan plan = rr::all_reduce_plan(in_ptrs.data(), out_ptrs.data(), int(tensors.size()),
                                             tensors[0].numel(), tensors[0].element_size());
   const OneShot oneshot{in_ptrs, out_ptrs, tensors[0].numel(),
@@ -451,8 +488,15 @@ std::vector<std::string> reduce(const std::vector<at::Tensor>& inputs,
   check_device_support(fn, inputs);
   check_streams(fn, streams, inputs, "inputs");
 
-  const std::vector<at::Tensor> work = workspaces(inputs, root, streams);
   const std::vector<void*> in_ptrs = pointers(inputs);
+  // output may be inputs[root] itself: the same elements, which sum_rounded_once allows.
+  if (ran_once_rounded(fn, inputs, dtype, op, {output}, [&] {
+        rr::cpu::sum_rounded_once(dtype, op, output.data_ptr(), in_ptrs.data(),
+                                  int(inputs.size()), inputs[0].numel());
+      })) {
+    return {};
+  }
+  const std::vector<at::Tensor> work = workspaces(inputs, root, streams);
   std::vector<void*> work_ptrs;
   for (const at::Tensor& w : work) work_ptrs.push_back(w.defined() ? w.data_ptr() : nullptr);
   const rr::Plan plan = rr::reduce_plan(in_ptrs.data(), output.data_ptr(), work_ptrs.data(), root,
@@ -545,8 +589,13 @@ std::vector<std::string> reduce_scatter(const std::vector<at::Tensor>& inputs,
   check_device_support(fn, inputs);
   check_streams(fn, streams, inputs, "inputs");
 
-  const std::vector<at::Tensor> work = workspaces(inputs, nranks == 1 ? 0 : -1, streams);
   const std::vector<void*> in_ptrs = pointers(inputs), out_ptrs = pointers(outputs);
+  if (ran_once_rounded(fn, inputs, dtype, op, outputs, [&] {
+        rr::cpu::reduce_scatter_once(in_ptrs.data(), out_ptrs.data(), nranks, count, dtype, op);
+      })) {
+    return {};
+  }
+  const std::vector<at::Tensor> work = workspaces(inputs, nranks == 1 ? 0 : -1, streams);
   std::vector<void*> work_ptrs;
   for (const at::Tensor& w : work) work_ptrs.push_back(w.defined() ? w.data_ptr() : nullptr);
   const rr::Plan plan = rr::reduce_scatter_plan(in_ptrs.data(), out_ptrs.data(), work_ptrs.data(),
@@ -663,6 +712,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     pybind11::dict d;
     d["transport"] = transport_setting("ringreduce.settings");
     d["oneshot_max_bytes"] = oneshot_setting("ringreduce.settings");
+    d["half_rounding"] = rr::cpu::half_rounding_name(half_rounding_setting("ringreduce.settings"));
     return d;
   });
   m.attr("ONESHOT_DEFAULT_BYTES") = kOneshotDefaultBytes;

@@ -100,8 +100,10 @@ ONESHOT_DEFAULT_BYTES = _C.ONESHOT_DEFAULT_BYTES
 
 def settings():
     """The environment's settings as the next call reads them: ``transport``
-    (``RINGREDUCE_TRANSPORT``, default ``p2p``) and ``oneshot_max_bytes``
-    (``RINGREDUCE_ONESHOT_BYTES``, default 65536). Raises ValueError on a bad value."""
+    (``RINGREDUCE_TRANSPORT``, default ``p2p``), ``oneshot_max_bytes``
+    (``RINGREDUCE_ONESHOT_BYTES``, default 65536) and ``half_rounding``
+    (``RINGREDUCE_HALF_ROUNDING``, default ``once``: CPU float16 / bfloat16 sums rounded once;
+    ``per_hop``: on every ring hop). Raises ValueError on a bad value."""
     return dict(_C.settings())
 
 

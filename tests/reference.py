@@ -6,12 +6,19 @@
   gives the same bits on its root.
 - ``reduce_scatter_model``: the same for reduce_scatter, whose block c is combined in the order
   c+1, c+2, ..., c (NCCL's ring: the block ends on its own rank).
+- ``once_rounded_model``: float16 / bfloat16 sum and avg as the CPU paths compute them by
+  default (RINGREDUCE_HALF_ROUNDING=once): every element summed in fp32 in rank order 0, 1, ...,
+  N-1 and rounded to the dtype once; each fp32 step computed in float64 and rounded to float32
+  (exact: a float64 sum or quotient of two floats rounds to the float32 one, 53 >= 2 * 24 + 2).
+  ``ring_model`` and ``reduce_scatter_model`` give it where ``half_rounding`` says so.
 - ``wide_reference``: the mathematical reduction in float64 (floats) or with exact integer
   wrap-around (ints; avg is that wrapped sum divided by N, truncated toward zero, as NCCL),
   for checks that do not share the ring's reduction order. bool follows torch: sum and max
   are logical or, prod and min logical and.
 """
 import functools
+import math
+import os
 
 import torch
 
@@ -68,6 +75,32 @@ def random_inputs(nranks, count, dtype, op, device="cpu", generator=None):
     return out
 
 
+def adversarial_half_inputs(nranks, count, dtype, generator):
+    """float16 / bfloat16 inputs for rounding checks; each element (the same on every rank) is
+    one of: random values of mixed magnitude; cancellation (large values of alternating sign
+    around small ones: the fp32 sum keeps what per-hop rounding loses); values near the dtype's
+    max (sums that overflow to inf); subnormals; zeros of both signs (-0.0 sums stay -0.0);
+    inf, -inf and NaN among ordinary values."""
+    g = generator
+    fi = torch.finfo(dtype)
+    kind = torch.randint(0, 6, (count,), generator=g)
+    out = []
+    for r in range(nranks):
+        u = torch.rand(count, generator=g, dtype=torch.float64)
+        sign = (torch.randint(0, 2, (count,), generator=g) * 2 - 1).to(torch.float64)
+        mixed = sign * torch.exp2(torch.randint(-12, 13, (count,), generator=g).double()) * (1 + u)
+        cancel = (1 - 2 * (r % 2)) * 2.0**10 * (1 + u / 64) + sign * u / 8
+        near_max = sign * fi.max * (0.25 + 0.75 * u)
+        subnormal = sign * fi.smallest_normal * u
+        zero = sign * 0.0
+        pick = torch.randint(0, 10, (count,), generator=g)
+        special = torch.where(pick == 0, math.inf, torch.where(pick == 1, -math.inf, torch.where(
+            pick == 2, math.nan, mixed)))
+        x = torch.stack([mixed, cancel, near_max, subnormal, zero, special])
+        out.append(x.gather(0, kind.view(1, -1)).view(-1).to(dtype))
+    return out
+
+
 def chunk_bounds(count, nranks, elem_size):
     align = max(1, 16 // elem_size)
     per = -(-count // nranks)
@@ -113,9 +146,50 @@ def _ring_chunk(x, op, lo, hi, first):
     return acc
 
 
-def ring_model(inputs, op):
-    """The value every rank must hold after ringreduce's ring, bit for bit."""
+HALF_DTYPES = (torch.float16, torch.bfloat16)
+
+
+def half_rounding(device="cpu"):
+    """How ringreduce rounds float16 / bfloat16 sums and averages on `device`: 'once' on CPU
+    unless RINGREDUCE_HALF_ROUNDING=per_hop; 'per_hop' on CUDA (not yet changed there)."""
+    if torch.device(device).type != "cpu":
+        return "per_hop"
+    return os.environ.get("RINGREDUCE_HALF_ROUNDING") or "once"
+
+
+def rounds_once(dtype, op, rounding):
+    return rounding == "once" and dtype in HALF_DTYPES and op in ("sum", "avg")
+
+
+def fp32_ordered_sum(rows, op):
+    """rows (tensors of one 16-bit float dtype) summed in fp32 in list order (avg: divided by
+    len(rows)) and rounded once to their dtype, every fp32 step computed in float64."""
+    acc = rows[0].to(torch.float32)
+    for x in rows[1:]:
+        acc = (acc.to(torch.float64) + x.to(torch.float64)).to(torch.float32)
+    if op == "avg":
+        acc = (acc.to(torch.float64) / len(rows)).to(torch.float32)
+    return acc.to(rows[0].dtype)
+
+
+def once_rounded_model(inputs, op):
+    """What every rank holds after a once-rounded float16 / bfloat16 sum or avg, bit for bit
+    (up to NaN payloads)."""
+    x = [t.detach().cpu().reshape(-1) for t in inputs]
+    if len(x) == 1:
+        return x[0].clone().reshape(inputs[0].shape)
+    return fp32_ordered_sum(x, op).reshape(inputs[0].shape)
+
+
+def ring_model(inputs, op, rounding=None):
+    """The value every rank must hold after ringreduce's ring, bit for bit. rounding: 'once'
+    or 'per_hop' for 16-bit float sums and averages; None: half_rounding() of the inputs'
+    device (ringreduce's default there)."""
     n = len(inputs)
+    if rounding is None:
+        rounding = half_rounding(inputs[0].device)
+    if rounds_once(inputs[0].dtype, op, rounding):
+        return once_rounded_model(inputs, op)
     x = [t.detach().cpu().reshape(-1) for t in inputs]
     out = x[0].clone()
     if n == 1:
@@ -126,11 +200,17 @@ def ring_model(inputs, op):
     return out.reshape(inputs[0].shape)
 
 
-def reduce_scatter_model(inputs, op):
-    """What rank r's output holds after ringreduce.reduce_scatter (flat), bit for bit."""
+def reduce_scatter_model(inputs, op, rounding=None):
+    """What rank r's output holds after ringreduce.reduce_scatter (flat), bit for bit.
+    rounding as ring_model's."""
     n = len(inputs)
     x = [t.detach().cpu().reshape(-1) for t in inputs]
     count = x[0].numel() // n
+    if rounding is None:
+        rounding = half_rounding(inputs[0].device)
+    if n > 1 and rounds_once(inputs[0].dtype, op, rounding):
+        return [fp32_ordered_sum([t[r * count:(r + 1) * count] for t in x], op)
+                for r in range(n)]
     return [_ring_chunk(x, op, r * count, (r + 1) * count, r + 1).clone() for r in range(n)]
 
 

@@ -30,7 +30,7 @@ def _run_and_check(inputs, op, devices, poison=True):
     tensors = [x.to(d) for x, d in zip(inputs, devices)]
     ringreduce.all_reduce(tensors, op)
     torch.cuda.synchronize()
-    expected = ring_model(inputs, op)
+    expected = ring_model(inputs, op, "per_hop")
     for r, t in enumerate(tensors):
         got = t.cpu()
         assert torch.equal(got.view(torch.uint8), expected.view(torch.uint8)), (
@@ -87,7 +87,7 @@ def test_oneshot_and_ring_agree_at_the_threshold(dtype, op, nranks, monkeypatch)
         assert torch.equal(results["ring"].view(torch.uint8),
                            results["oneshot"].view(torch.uint8)), (count, nranks)
         assert torch.equal(results["ring"].view(torch.uint8),
-                           ring_model(inputs, op).view(torch.uint8))
+                           ring_model(inputs, op, "per_hop").view(torch.uint8))
 
 
 @pytest.mark.parametrize("dtype,op", [(torch.float32, "sum"), (torch.bfloat16, "avg"),
@@ -134,7 +134,7 @@ def test_unaligned_storage_offsets_take_the_scalar_path(offset, dtype, path, mon
     for t, x in zip(tensors, inputs):
         t.copy_(x)
     ringreduce.all_reduce(tensors)
-    expected = ring_model(inputs, "sum")
+    expected = ring_model(inputs, "sum", "per_hop")
     for t in tensors:
         assert torch.equal(t.cpu(), expected)
 
@@ -183,7 +183,7 @@ def _check_inputs_produced_late(seed, count, collective):
         for t in tensors + outputs:
             t.fill_(-1.0)
     side.synchronize()
-    expected = ring_model(inputs, "sum")
+    expected = ring_model(inputs, "sum", "per_hop")
     for r in results:
         assert torch.equal(r.cpu(), expected)
 
@@ -203,7 +203,7 @@ def test_tensors_dropped_right_after_the_call():
     g = torch.Generator().manual_seed(10)
     n, count = 4, (1 << 22) + 3
     inputs = random_inputs(n, count, torch.float32, "sum", generator=g)
-    expected = ring_model(inputs, "sum")
+    expected = ring_model(inputs, "sum", "per_hop")
     side = torch.cuda.Stream()
     for _ in range(3):
         tensors = [x.cuda() for x in inputs]
@@ -351,7 +351,7 @@ def test_fused_kernel_gives_the_ring_bits(dtype, op, nranks):
             epoch += 1
             used = _C.fused_all_reduce(tensors, op, blocks, flags, epoch)
             assert used == blocks or (blocks == 0 and 1 <= used <= FUSED_FLAG_BLOCKS), used
-            want = ring_model(inputs, op).view(torch.uint8)
+            want = ring_model(inputs, op, "per_hop").view(torch.uint8)
             for r, t in enumerate(tensors):
                 assert torch.equal(t.cpu().view(torch.uint8), want), (count, blocks, r)
 

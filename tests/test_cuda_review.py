@@ -36,7 +36,8 @@ import pytest
 import torch
 
 import ringreduce
-from checks import (POISON_BYTE, Unchanged, assert_same_bits, bits, check_all_reduce,
+from checks import (POISON_BYTE, Unchanged, assert_same_bits, assert_same_bits_but_nan_payload,
+                    bits, check_all_reduce,
                     check_copying_collectives, check_reducing_collectives, needs_cuda,
                     poison_like, seeded, sleep_cycles)
 from reference import (UNIT_ROUNDOFF, all_gather_model, chunk_bounds, random_inputs,
@@ -81,17 +82,6 @@ def _load_ring_kernels(nranks, dtype, ops, streams=None):
             t = [torch.ones(4099, dtype=dtype, device=DEV) for _ in range(nranks)]
             ringreduce.all_reduce(t, op, streams=streams)
     torch.cuda.synchronize()
-
-
-def _same_bits_but_nan_payload(got, expected, what):
-    """The same elements are NaN (CPU and GPU may write NaN with different payloads), and every
-    other element has the same bits."""
-    got, expected = got.detach().cpu().reshape(-1), expected.detach().cpu().reshape(-1)
-    nan_got, nan_exp = torch.isnan(got), torch.isnan(expected)
-    assert torch.equal(nan_got, nan_exp), (
-        f"{what}: NaN at {int((nan_got & ~nan_exp).sum())} elements that should not be, and "
-        f"missing at {int((nan_exp & ~nan_got).sum())}")
-    assert_same_bits(got[~nan_got], expected[~nan_exp], f"{what} (elements that are not NaN)")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -171,7 +161,7 @@ def test_virtual_devices_one_rank_late(nranks, late, out_of_place):
             tensors[r].fill_(NAN)
             if out_of_place:
                 outputs[r].fill_(NAN)
-    _check_after_late_rank(late_still_busy, snapshots, ring_model(inputs, "sum"),
+    _check_after_late_rank(late_still_busy, snapshots, ring_model(inputs, "sum", "per_hop"),
                            f"late rank {k}")
 
 
@@ -204,9 +194,9 @@ def test_virtual_devices_late_between_two_calls(nranks, late):
             t.copy_(src)
     ringreduce.all_reduce(tensors, "max", streams=streams)
     late_still_busy = not streams[k].query()
-    _check_after_late_rank(late_still_busy, snapshots, ring_model(first, "sum"),
+    _check_after_late_rank(late_still_busy, snapshots, ring_model(first, "sum", "per_hop"),
                            f"first call, late rank {k}")
-    expected_second = ring_model(second, "max")
+    expected_second = ring_model(second, "max", "per_hop")
     for r, t in enumerate(tensors):
         assert_same_bits(t, expected_second, f"second call, rank {r} (late rank {k})")
 
@@ -312,10 +302,10 @@ def test_workspaces_come_from_the_ranks_streams(collective):
     del victims  # their blocks are free for the current stream's next allocations
     if collective == "reduce":
         ringreduce.reduce(tensors, outputs[0], root=0, streams=streams)
-        models = [ring_model(inputs, "sum")]
+        models = [ring_model(inputs, "sum", "per_hop")]
     else:
         ringreduce.reduce_scatter(tensors, outputs, streams=streams)
-        models = reduce_scatter_model(inputs, "sum")
+        models = reduce_scatter_model(inputs, "sum", "per_hop")
     torch.cuda.synchronize()
     for r, snap in enumerate(snapshots):
         assert torch.equal(snap, torch.full_like(snap, float(r + 1))), (
@@ -468,7 +458,7 @@ def test_storage_offsets(dtype, nranks, pattern, op, device):
     big = (1 << 18) + 5 if device != "cpu" else 70001
     for count in (33, 4099, big):
         inputs = random_inputs(nranks, count, dtype, op, generator=g)
-        expected = ring_model(inputs, op)
+        expected = ring_model(inputs, op, "per_hop")
         views = _offset_views(count, dtype, aligned, device)
         for v, x in zip(views, inputs):
             v.copy_(x)
@@ -492,7 +482,7 @@ def test_storage_offsets(dtype, nranks, pattern, op, device):
         for v, x in zip(views, blocks):
             v.copy_(x)
         ringreduce.reduce_scatter(views, outs, op=op)
-        for r, (o, want) in enumerate(zip(outs, reduce_scatter_model(blocks, op))):
+        for r, (o, want) in enumerate(zip(outs, reduce_scatter_model(blocks, op, "per_hop"))):
             assert_same_bits(o, want, f"reduce_scatter outputs[{r}], n={count}")
 
         views = _offset_views(count, dtype, aligned, device)
@@ -569,7 +559,8 @@ def test_nan_and_inf_on_the_cpu_path(dtype, nranks, op):
             err = (got[finite] - ref[finite]).abs()
             tol = (nranks + 1) * UNIT_ROUNDOFF[dtype] * scale[finite]
             assert bool((err <= tol).all()), f"finite sums off by up to {float(err.max()):.3g}"
-        _same_bits_but_nan_payload(results[0], ring_model(inputs, op), f"{op} vs ring model")
+        assert_same_bits_but_nan_payload(results[0], ring_model(inputs, op, "per_hop"),
+                                   f"{op} vs ring model")
 
 
 @needs_cuda
@@ -585,7 +576,7 @@ def test_nan_and_inf_gpu_matches_cpu(dtype, nranks, op):
         gpu = ringreduce.all_reduce([x.to(DEV, copy=True) for x in inputs], op)
         cpu = ringreduce.all_reduce([x.clone() for x in inputs], op)
         for r in range(nranks):
-            _same_bits_but_nan_payload(gpu[r], cpu[r], f"all_reduce rank {r}, n={count}")
+            assert_same_bits_but_nan_payload(gpu[r], cpu[r], f"all_reduce rank {r}, n={count}")
 
         blocks = _special_inputs(nranks, count * nranks, dtype, g)
         gpu_out = [torch.empty(count, dtype=dtype, device=DEV) for _ in range(nranks)]
@@ -593,7 +584,7 @@ def test_nan_and_inf_gpu_matches_cpu(dtype, nranks, op):
         ringreduce.reduce_scatter([x.to(DEV, copy=True) for x in blocks], gpu_out, op=op)
         ringreduce.reduce_scatter(blocks, cpu_out, op=op)
         for r in range(nranks):
-            _same_bits_but_nan_payload(gpu_out[r], cpu_out[r],
+            assert_same_bits_but_nan_payload(gpu_out[r], cpu_out[r],
                                        f"reduce_scatter rank {r}, n={count}")
 
 
@@ -663,7 +654,7 @@ def test_graph_capture_all_reduce(dtype, op, nranks, out_of_place):
     eager = _replays_match_eager(step, sources, gpu_sets,
                                  outputs if out_of_place else tensors)
     for inputs, got in zip(cpu_sets, eager):
-        want = bits(ring_model(inputs, op))
+        want = bits(ring_model(inputs, op, "per_hop"))
         for r, b in enumerate(got):
             assert torch.equal(b.cpu(), want), f"eager rank {r} differs from the ring model"
 
@@ -687,7 +678,7 @@ def test_graph_capture_other_collectives(collective, nranks):
             _load(tensors, sources)
             ringreduce.reduce(tensors, results[0], root=root, op=op)
 
-        models = [[ring_model(inputs, op)] for inputs in cpu_sets]
+        models = [[ring_model(inputs, op, "per_hop")] for inputs in cpu_sets]
     elif collective == "broadcast":
         results = tensors
 
@@ -711,7 +702,7 @@ def test_graph_capture_other_collectives(collective, nranks):
             _load(tensors, sources)
             ringreduce.reduce_scatter(tensors, results, op=op)
 
-        models = [reduce_scatter_model(inputs, op) for inputs in cpu_sets]
+        models = [reduce_scatter_model(inputs, op, "per_hop") for inputs in cpu_sets]
     eager = _replays_match_eager(step, sources, gpu_sets, results)
     for k, (got, want) in enumerate(zip(eager, models)):
         for r, (b, m) in enumerate(zip(got, want)):

@@ -23,8 +23,11 @@ import torch.multiprocessing as mp
 import ringreduce
 from ringreduce.distributed import register_backend
 
-from checks import ddp_steps, needs_cuda, segments_of
-from reference import ALL_DTYPES, _combine, assert_close_to_wide, random_inputs, ring_model, valid_ops
+from checks import (assert_same_bits, assert_same_bits_but_nan_payload, ddp_steps, needs_cuda,
+                    seeded, segments_of)
+from reference import (ALL_DTYPES, _combine, adversarial_half_inputs, assert_close_to_wide,
+                       fp32_ordered_sum, half_rounding, random_inputs, ring_model, rounds_once,
+                       valid_ops)
 
 SPAWN_TIMEOUT = 180
 
@@ -128,8 +131,11 @@ def _collectives_sweep(rank, world, store, device):
                 mine = mine.cpu()
                 core = [t.clone() for t in inputs]
                 ringreduce.all_reduce(core, op)
-                assert torch.equal(mine, core[0]), f"{dtype} {op} n={count}: differs from core"
-                assert torch.equal(mine, ring_model(inputs, op)), f"{dtype} {op} n={count}"
+                # The list API runs on CPU: on CUDA 16-bit sums round per hop, on CPU once.
+                if half_rounding(device) == half_rounding() or not rounds_once(dtype, op, "once"):
+                    assert torch.equal(mine, core[0]), f"{dtype} {op} n={count}: differs from core"
+                assert torch.equal(mine, ring_model(inputs, op, half_rounding(device))), (
+                    f"{dtype} {op} n={count}")
                 if count:
                     assert_close_to_wide(mine, inputs, op)
                 checked += 1
@@ -175,7 +181,8 @@ def _collectives_sweep(rank, world, store, device):
                                                   for r in range(world)])), "in place"
 
     # reduce_scatter: 16-bit floats too (reference._combine: fp32 arithmetic, rounded to the
-    # dtype at every hop, as the core does), out of place, in place into this rank's own
+    # dtype at every hop, as the CUDA path does; on CPU sums and averages round once), out of
+    # place, in place into this rank's own
     # segment of the input, and from a list.
     for dtype in (torch.int32, torch.float64, torch.float32, torch.bfloat16, torch.float16,
                   torch.int8):
@@ -194,6 +201,8 @@ def _collectives_sweep(rank, world, store, device):
             expect = seg[0].clone()
             for q in range(1, world):
                 expect = _combine(op, expect, seg[q], dtype, q == world - 1, world)
+            if world > 1 and rounds_once(dtype, op, half_rounding(device)):
+                expect = fp32_ordered_sum(seg, op)
             what = f"reduce_scatter_tensor {dtype} {op}"
             assert torch.equal(out.cpu().view(torch.uint8), expect.view(torch.uint8)), what
             dist.reduce_scatter_tensor(flat[rank * count:(rank + 1) * count], flat, op=reduce_op)
@@ -235,10 +244,90 @@ def _collectives_sweep(rank, world, store, device):
     work = dist.all_reduce(torch.ones(3, device=device), async_op=True)
     work.wait()
     dist.barrier()
+    if device == "cpu":
+        _half_rounding_checks(rank, world)
     comm = ringreduce.distributed.comm_of(pg)
     dist.destroy_process_group()
     assert comm.closed
     return checked
+
+
+# 16-bit float sums on CPU (issue 47): odd counts, the largest (40 KiB of bfloat16) above the
+# one-round path's 32 KiB and in several rounds of an 8 KiB staging area.
+HALF_COUNTS = (1, 7, 1031, 20001)
+_HALF_OPS = {"sum": dist.ReduceOp.SUM, "avg": dist.ReduceOp.AVG}
+
+
+def _half_inputs(kind, world, count, dtype, op):
+    g = seeded("backend half rounding", kind, world, count, dtype, op)
+    if kind == "random":
+        return random_inputs(world, count, dtype, op, generator=g)
+    return adversarial_half_inputs(world, count, dtype, g)
+
+
+def _half_rounding_checks(rank, world, counts=HALF_COUNTS):
+    """float16 / bfloat16 sum and avg through the backend's CPU all_reduce (one-round and
+    two-shot), reduce and reduce_scatter_tensor (out of place and in place): the fp32 sum in
+    rank order, rounded once (reference.fp32_ordered_sum), on random and adversarial inputs.
+    Then a group made under RINGREDUCE_HALF_ROUNDING=per_hop gives the ring's bits."""
+    for dtype in (torch.bfloat16, torch.float16):
+        for op, reduce_op in _HALF_OPS.items():
+            for kind in ("random", "adversarial"):
+                for count in counts:
+                    case = f"{dtype} {op} {kind} world={world} count={count}"
+                    inputs = _half_inputs(kind, world, count, dtype, op)
+                    want = fp32_ordered_sum(inputs, op)
+                    t = inputs[rank].clone()
+                    dist.all_reduce(t, op=reduce_op)
+                    assert_same_bits_but_nan_payload(t, want, f"all_reduce {case}")
+                    t = inputs[rank].clone()
+                    dist.reduce(t, dst=world - 1, op=reduce_op)
+                    if rank == world - 1:
+                        assert_same_bits_but_nan_payload(t, want, f"reduce {case}")
+                    full = _half_inputs(kind, world, world * count, dtype, op)
+                    want = fp32_ordered_sum([f[rank * count:(rank + 1) * count] for f in full], op)
+                    out = torch.full((count,), 7, dtype=dtype)
+                    flat = full[rank].clone()
+                    dist.reduce_scatter_tensor(out, flat, op=reduce_op)
+                    assert_same_bits_but_nan_payload(out, want, f"reduce_scatter {case}")
+                    mine = flat[rank * count:(rank + 1) * count]
+                    dist.reduce_scatter_tensor(mine, flat, op=reduce_op)
+                    assert_same_bits_but_nan_payload(mine, want, f"reduce_scatter in place {case}")
+    os.environ["RINGREDUCE_HALF_ROUNDING"] = "per_hop"
+    try:
+        per_hop = dist.new_group(list(range(world)))
+    finally:
+        del os.environ["RINGREDUCE_HALF_ROUNDING"]
+    for dtype in (torch.bfloat16, torch.float16):
+        for op, reduce_op in _HALF_OPS.items():
+            for count in (7, 20001):
+                case = f"per_hop {dtype} {op} world={world} count={count}"
+                inputs = _half_inputs("random", world, count, dtype, op)
+                t = inputs[rank].clone()
+                dist.all_reduce(t, op=reduce_op, group=per_hop)
+                assert_same_bits(t, ring_model(inputs, op, "per_hop"), f"all_reduce {case}")
+                full = _half_inputs("random", world, world * count, dtype, op)
+                seg = [f[rank * count:(rank + 1) * count] for f in full]
+                expect = seg[0].clone()
+                for q in range(1, world):
+                    expect = _combine(op, expect, seg[q], dtype, q == world - 1, world)
+                out = torch.full((count,), 7, dtype=dtype)
+                dist.reduce_scatter_tensor(out, full[rank], op=reduce_op, group=per_hop)
+                assert_same_bits(out, expect, f"reduce_scatter {case}")
+    dist.destroy_process_group(per_hop)
+
+
+def _half_rounding_only(rank, world, store):
+    init(rank, world, store)
+    _half_rounding_checks(rank, world, counts=(7, 20001))
+    dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("world", [7])
+def test_half_rounding_cpu(tmp_path, world):
+    """The sweep runs _half_rounding_checks at 1-4 ranks; here at 7 (more ranks than cores),
+    with an odd count on the one-round path and one on the two-shot path."""
+    values(run_ranks(_half_rounding_only, world, tmp_path, env={"RINGREDUCE_SHM_BYTES": "8192"}))
 
 
 @pytest.mark.parametrize("world", [1, 2, 3, 4])

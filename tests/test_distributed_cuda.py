@@ -66,7 +66,8 @@ def _sweep(rank, world, store):
                 ringreduce.all_reduce(core, op)
                 got = mine.cpu()
                 assert torch.equal(got, core[0].cpu()), f"{dtype} {op} n={count}: differs from core"
-                assert torch.equal(got, ring_model(inputs, op)), f"{dtype} {op} n={count}"
+                assert torch.equal(got, ring_model(inputs, op, "per_hop")), (
+                    f"{dtype} {op} n={count}")
                 checked += 1
     assert ringreduce.distributed.comm_of(pg).cuda_distinct_gpus() is False, "every rank is on cuda:0: the GPU is shared"
 

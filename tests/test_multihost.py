@@ -22,7 +22,8 @@ import torch
 import torch.distributed as dist
 
 from reference import (ALL_DTYPES, _combine, _int_avg, assert_close_to_wide, chunk_bounds,
-                       random_inputs, ring_model, valid_ops)
+                       fp32_ordered_sum, half_rounding, random_inputs, ring_model, rounds_once,
+                       valid_ops)
 from ringreduce import hierarchy
 from ringreduce.distributed import comm_of, inter_host_bytes
 from checks import communicate_bounded, ddp_steps, free_port, seeded
@@ -37,12 +38,16 @@ _SEGMENT = re.compile(r"/dev/shm/ringreduce-(\d+)-[0-9a-f]+-h(\d+)-r(\d+)")
 
 def hierarchical_model(inputs, op, hosts):
     """The value every rank must hold, bit for bit: each host reduces its ranks' inputs in local
-    order (the shared-memory reduce-scatter's hops, avg as sum), then the host partials are
+    order (the shared-memory reduce-scatter's hops, avg as sum; 16-bit float sums in fp32,
+    rounded once, unless RINGREDUCE_HALF_ROUNDING=per_hop), then the host partials are
     combined in host order in fp32 for 16-bit floats, rounded once (avg divides there).
     Computed here from reference.py's one-hop combine, independently of ringreduce.hierarchy."""
     dtype = inputs[0].dtype
     partials = []
     for ranks in hosts:
+        if len(ranks) > 1 and rounds_once(dtype, "sum" if op == "avg" else op, half_rounding()):
+            partials.append(fp32_ordered_sum([inputs[r] for r in ranks], "sum"))
+            continue
         acc = inputs[ranks[0]].clone()
         for r in ranks[1:]:
             acc = _combine("sum" if op == "avg" else op, acc, inputs[r], dtype, False, len(ranks))

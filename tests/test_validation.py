@@ -433,11 +433,15 @@ def test_bad_oneshot_threshold(value, monkeypatch):
 def test_settings_follow_the_environment_at_each_call(monkeypatch):
     monkeypatch.delenv("RINGREDUCE_TRANSPORT", raising=False)
     monkeypatch.delenv("RINGREDUCE_ONESHOT_BYTES", raising=False)
+    monkeypatch.delenv("RINGREDUCE_HALF_ROUNDING", raising=False)
     assert ringreduce.settings() == {"transport": "p2p",
-                                     "oneshot_max_bytes": ringreduce.core.ONESHOT_DEFAULT_BYTES}
+                                     "oneshot_max_bytes": ringreduce.core.ONESHOT_DEFAULT_BYTES,
+                                     "half_rounding": "once"}
     monkeypatch.setenv("RINGREDUCE_TRANSPORT", "copy")
     monkeypatch.setenv("RINGREDUCE_ONESHOT_BYTES", "0")
-    assert ringreduce.settings() == {"transport": "copy", "oneshot_max_bytes": 0}
+    monkeypatch.setenv("RINGREDUCE_HALF_ROUNDING", "per_hop")
+    assert ringreduce.settings() == {"transport": "copy", "oneshot_max_bytes": 0,
+                                     "half_rounding": "per_hop"}
     monkeypatch.setenv("RINGREDUCE_TRANSPORT", "")  # empty is unset
     assert ringreduce.settings()["transport"] == "p2p"
     monkeypatch.setenv("RINGREDUCE_TRANSPORT", "ib")

@@ -4,6 +4,7 @@
 #include <cstring>
 #include <stdexcept>
 #include <string>
+#include <vector>
 
 #include "../ring/cpu_executor.h"
 #include "../ring/schedule.h"
@@ -23,6 +24,10 @@ int64_t piece_elems(const HostGroup& g, int64_t esize, int64_t parts = 1) {
 }
 
 int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+::rr::cpu::HalfRounding half_rounding(const HostGroup& g) {
+  return g.half_once() ? ::rr::cpu::HalfRounding::Once : ::rr::cpu::HalfRounding::PerHop;
+}
 
 Desc host_desc(const Ctx& ctx, int dtype, int op, int root, int64_t count, int64_t round) {
   return make_desc(ctx.seq, ctx.kind, dtype, op, root, count, round, -1);
@@ -90,6 +95,28 @@ void copy_out(char* dst, char* dst2, const char* src, int64_t bytes) {
   }
 }
 
+// The small path's reduction in the ring's order (see small_all_reduce): element i of ring
+// chunk c combined over the slots in the order c, c+1, ..., c-1 (mod N) into `out`.
+void reduce_slots_in_ring_order(HostGroup& g, int s, char* out, int64_t count, DType dtype,
+                                Op op) {
+  const int n = g.nranks();
+  const int64_t esize = elem_size(dtype);
+  for (int c = 0; c < n; ++c) {
+    const Range chunk = chunk_range(count, n, esize, c);
+    if (chunk.count == 0) continue;
+    const int64_t off = chunk.offset * esize;
+    char* dst = out + off;
+    for (int j = 1; j < n; ++j) {
+      const int r = (c + j) % n;
+      // The ring's hop at rank r: combine(own = r's input, incoming = the partial so far). The
+      // first hop's partial is rank c's input itself, read from its slot (no copy first).
+      const char* partial = j == 1 ? g.small_data(c, s) + off : dst;
+      ::rr::cpu::combine(dtype, op, dst, g.small_data(r, s) + off, partial, chunk.count,
+                         j == n - 1, n);
+    }
+  }
+}
+
 // The one-round all-reduce of a small tensor (at most g.small_bytes() bytes): every rank copies
 // its input into its own small slot, publishes once, waits until every peer has published, and
 // reduces all N slots straight into its output.
@@ -99,6 +126,9 @@ void copy_out(char* dst, char* dst2, const char* src, int64_t bytes) {
 // through fp32, avg divided on the last hop), the order oneshot.h follows on the GPU. So the
 // result is the ring's, bit for bit, on every rank: RINGREDUCE_SMALL_BYTES changes the speed,
 // never the bits. (Tensors of less than 16 bytes per rank are one chunk: rank order 0..N-1.)
+// float16 / bfloat16 sums and averages rounded once (HostGroup::half_once) are the exception:
+// every element summed over the slots in rank order 0..N-1 in fp32, rounded once, which is
+// two_shot_all_reduce's result at every size.
 //
 // No barrier at the start or the end. This phase has one step: the publish of base + 1 says
 // "my slot holds my input". Two slots per rank, used alternately by this rank's small
@@ -138,23 +168,83 @@ void small_all_reduce(HostGroup& g, const Ctx& ctx, void* data, int64_t count, D
     g.check_small_desc(p, s, ctx);
     g.check_not_failed(p, base + 1, ctx, what);
   }
-  char* out = static_cast<char*>(data);
-  for (int c = 0; c < n; ++c) {
-    const Range chunk = chunk_range(count, n, esize, c);
-    if (chunk.count == 0) continue;
-    const int64_t off = chunk.offset * esize;
-    char* dst = out + off;
-    for (int j = 1; j < n; ++j) {
-      const int r = (c + j) % n;
-      // The ring's hop at rank r: combine(own = r's input, incoming = the partial so far). The
-      // first hop's partial is rank c's input itself, read from its slot (no copy first).
-      const char* partial = j == 1 ? g.small_data(c, s) + off : dst;
-      ::rr::cpu::combine(dtype, op, dst, g.small_data(r, s) + off, partial, chunk.count,
-                         j == n - 1, n);
-    }
+  if (::rr::cpu::rounds_once(dtype, op, half_rounding(g))) {
+    // Every element summed over the slots in rank order 0, 1, ..., N-1 and rounded once: the
+    // bits of the larger tensors' two-shot path.
+    std::vector<const void*> slots(static_cast<size_t>(n));
+    for (int r = 0; r < n; ++r) slots[size_t(r)] = g.small_data(r, s);
+    ::rr::cpu::sum_rounded_once(dtype, op, data, slots.data(), n, count);
+  } else {
+    reduce_slots_in_ring_order(g, s, static_cast<char*>(data), count, dtype, op);
   }
   g.end_phase(1);
   g.small_finished(ctx);
+}
+
+// The all-reduce of float16 / bfloat16 sums and averages rounded once (rounds_once), for
+// tensors above the small path: a two-shot reduce-scatter + all-gather through the staging
+// areas. Each round carries up to a staging area's worth of elements, cut into N pieces
+// (16-byte multiples); rank r owns piece r.
+//   1. every rank copies the round's elements into its staging area and publishes base + 1;
+//   2. rank r reads piece r from every rank's area, sums it in fp32 in rank order 0, 1, ...,
+//      N-1, rounds once, writes the result over piece r of its own area (no peer reads that
+//      piece of its area) and into its tensor, and publishes base + 2;
+//   3. rank r copies every other rank's finished piece q from rank q's area into its tensor and
+//      publishes base + 3.
+// Bits: every element is the once-rounded fp32 sum in rank order, whatever the round and piece
+// sizes and whichever rank computes it, so every rank holds the same bits, equal to the small
+// path's and the list API's. Traffic per rank and round of S bytes: (N-1)/N * S read from peers
+// in step 2 and again in step 3, the ring's 2(N-1)/N * S, in 3 steps instead of 2N - 1; plus
+// the local copy in (S) and the own piece out. The next round's start barrier (wait_all)
+// keeps a rank from overwriting its area while a peer still reads it in step 3.
+void two_shot_all_reduce(HostGroup& g, const Ctx& ctx, void* data, int64_t count, DType dtype,
+                         Op op) {
+  const int n = g.nranks();
+  const int rank = g.rank();
+  const int64_t esize = elem_size(dtype);
+  const int64_t piece = piece_elems(g, esize);
+  const int64_t per_round = piece * n;
+  const int64_t rounds = std::max<int64_t>(1, ceil_div(count, per_round));
+  char* bytes = static_cast<char*>(data);
+  std::vector<const void*> srcs(static_cast<size_t>(n));
+  for (int64_t i = 0; i < rounds; ++i) {
+    const uint64_t base = g.base();
+    const int64_t lo = std::min(count, i * per_round);
+    const int64_t len = std::min(count, lo + per_round) - lo;
+    // This round's pieces: the same cut on every rank, 16-byte multiples except the last.
+    const int64_t align = esize >= 16 ? 1 : 16 / esize;
+    const int64_t cut = ceil_div(ceil_div(len, n), align) * align;
+    auto piece_of = [&](int q, int64_t* off) {
+      *off = std::min(len, q * cut);
+      return std::min(len, *off + cut) - *off;
+    };
+    g.wait_all(base, ctx, start_text(i));
+    g.set_desc(host_desc(ctx, int(dtype), int(op), -1, count, i));
+    copy_bytes(g.staging(rank), bytes + lo * esize, len * esize);
+    g.publish(base + 1);
+    for (int q = 0; q < n; ++q) {
+      if (q == rank) continue;
+      g.wait(q, base + 1, ctx, step_text("reduce", q, n, i));
+      g.check_desc(q, ctx);
+    }
+    int64_t off;
+    const int64_t mine = piece_of(rank, &off);
+    if (mine > 0) {
+      for (int q = 0; q < n; ++q) srcs[size_t(q)] = g.staging(q) + off * esize;
+      char* result = g.staging(rank) + off * esize;
+      ::rr::cpu::sum_rounded_once(dtype, op, result, srcs.data(), n, mine);
+      copy_bytes(bytes + (lo + off) * esize, result, mine * esize);
+    }
+    g.publish(base + 2);
+    for (int j = 1; j < n; ++j) {
+      const int q = (rank + j) % n;
+      g.wait(q, base + 2, ctx, step_text("gather", j - 1, n - 1, i));
+      const int64_t theirs = piece_of(q, &off);
+      copy_bytes(bytes + (lo + off) * esize, g.staging(q) + off * esize, theirs * esize);
+    }
+    g.publish(base + 3);
+    g.end_phase(3);
+  }
 }
 
 }  // namespace
@@ -166,6 +256,10 @@ void all_reduce(HostGroup& g, void* data, int64_t count, DType dtype, Op op) {
   guarded(g, ctx, [&] {
     if (g.small_bytes() > 0 && count * elem_size(dtype) <= g.small_bytes()) {
       small_all_reduce(g, ctx, data, count, dtype, op);
+      return;
+    }
+    if (::rr::cpu::rounds_once(dtype, op, half_rounding(g))) {
+      two_shot_all_reduce(g, ctx, data, count, dtype, op);
       return;
     }
     const int rank = g.rank();
@@ -323,6 +417,8 @@ void reduce_scatter(HostGroup& g, const void* in, void* out, int64_t count, DTyp
     // they read it. Elsewhere the own segment is read straight from the input, in place.
     const bool in_place = out_bytes == in_bytes + rank * count * esize;
     const bool stage_own = in_place && rank >= 2;
+    const bool once = ::rr::cpu::rounds_once(dtype, op, half_rounding(g));
+    std::vector<const void*> srcs(static_cast<size_t>(n));
     for (int64_t i = 0; i < rounds; ++i) {
       const uint64_t base = g.base();
       const int64_t lo = std::min(count, i * piece);
@@ -343,14 +439,27 @@ void reduce_scatter(HostGroup& g, const void* in, void* out, int64_t count, DTyp
         if (q == rank && !stage_own) return in_bytes + (rank * count + lo) * esize;
         return g.staging(q) + rank * piece * esize;
       };
-      for (int q = 0; q < n; ++q) {
-        if (q != rank) {
+      if (once) {
+        // Summed in fp32 in the same order and rounded once, after every segment is staged.
+        for (int q = 0; q < n; ++q) {
+          if (q == rank) continue;
           g.wait(q, base + 1, ctx, step_text("reduce", q, n, i));
           g.check_desc(q, ctx);
+          srcs[size_t(q)] = segment(q);
         }
-        if (q == 0 || len == 0) continue;
-        const char* partial = q == 1 ? segment(0) : dst;
-        ::rr::cpu::combine(dtype, op, dst, partial, segment(q), len, q == n - 1, n);
+        srcs[size_t(rank)] = segment(rank);
+        // dst is segment(rank) itself when in place (and not staged): the same elements.
+        if (len > 0) ::rr::cpu::sum_rounded_once(dtype, op, dst, srcs.data(), n, len);
+      } else {
+        for (int q = 0; q < n; ++q) {
+          if (q != rank) {
+            g.wait(q, base + 1, ctx, step_text("reduce", q, n, i));
+            g.check_desc(q, ctx);
+          }
+          if (q == 0 || len == 0) continue;
+          const char* partial = q == 1 ? segment(0) : dst;
+          ::rr::cpu::combine(dtype, op, dst, partial, segment(q), len, q == n - 1, n);
+        }
       }
       g.publish(base + 2);
       g.publish(base + 3);

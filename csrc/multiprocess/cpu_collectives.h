@@ -10,6 +10,12 @@
 // All-reduces of at most HostGroup::small_bytes() bytes (RINGREDUCE_SMALL_BYTES) skip the ring:
 // one round through two per-rank slots, every rank reducing all inputs in the ring's order, so
 // the bits are the ring's at every size (cpu_collectives.cpp, small_all_reduce).
+//
+// float16 and bfloat16 sums and averages (HostGroup::half_once, RINGREDUCE_HALF_ROUNDING=once,
+// the default) are summed in fp32 in rank order 0, 1, ..., N-1 and rounded once instead
+// (ring/cpu_executor.h, sum_rounded_once): all_reduce through the small slots or a two-shot
+// reduce-scatter + all-gather, reduce_scatter in its own fixed order. The same bits on every
+// rank, at every size, and the list API's.
 #pragma once
 
 #include <cstdint>
@@ -31,7 +37,8 @@ void broadcast(HostGroup& g, void* data, int64_t bytes, int root);
 void all_gather(HostGroup& g, const void* in, void* const* outs, int64_t bytes);
 
 // `in` holds nranks segments of `count` elements; rank r's `out` receives the reduction over
-// ranks of segment r, reduced in rank order 0, 1, ..., N-1 on every rank.
+// ranks of segment r, reduced in rank order 0, 1, ..., N-1 on every rank (16-bit float sums
+// and averages in fp32, rounded once, unless per_hop).
 void reduce_scatter(HostGroup& g, const void* in, void* out, int64_t count, DType dtype, Op op);
 
 void barrier(HostGroup& g);

@@ -21,6 +21,7 @@
 #include <sstream>
 #include <thread>
 
+#include "../ring/cpu_executor.h"
 #include "../ring/types.h"
 
 namespace rr {
@@ -165,6 +166,7 @@ HostGroup::HostGroup(int rank, int nranks, int64_t capacity, double timeout_s,
     : rank_(rank), nranks_(nranks), capacity_(capacity), p2p_ring_bytes_(0),
       small_bytes_(env_int("RINGREDUCE_SMALL_BYTES", kDefaultSmallBytes, 0, kMaxSmallBytes,
                            "a number of bytes (0 disables the one-round small all-reduce)")),
+      half_once_(::rr::cpu::half_rounding_setting() == ::rr::cpu::HalfRounding::Once),
       headers_(size_t(nranks), nullptr) {
   // Spinning only pays while the peer runs on another core. With more ranks than cores a
   // spinning rank takes the core from the peer it waits for: there it yields and sleeps at once.
@@ -216,6 +218,7 @@ HostGroup::HostGroup(int rank, int nranks, int64_t capacity, double timeout_s,
   h->pid_ns = own_pid_ns();
   h->capacity = capacity;
   h->small_bytes = small_bytes_;
+  h->half_once = half_once_ ? 1 : 0;
   h->progress.store(0, std::memory_order_relaxed);
   h->wake.store(0, std::memory_order_relaxed);
   h->waiters.store(0, std::memory_order_relaxed);
@@ -286,12 +289,18 @@ void HostGroup::attach(const std::vector<std::string>& names) {
                       std::to_string(r) + " of " + std::to_string(nranks_) + ")");
     // Both sizes decide which path a collective takes: ranks that differ would deadlock or
     // exchange garbage instead of failing, so the group refuses to form.
-    if (h->small_bytes != small_bytes_ || h->capacity != capacity_)
-      throw CommError(setting_mismatch(r, h->capacity, h->small_bytes));
+    if (!same_settings(h))
+      throw CommError(setting_mismatch(r, h->capacity, h->small_bytes, h->half_once));
   }
 }
 
-std::string HostGroup::setting_mismatch(int peer, int64_t capacity, int64_t small_bytes) const {
+bool HostGroup::same_settings(const Header* h) const {
+  return h->small_bytes == small_bytes_ && h->capacity == capacity_ &&
+         h->half_once == (half_once_ ? 1 : 0);
+}
+
+std::string HostGroup::setting_mismatch(int peer, int64_t capacity, int64_t small_bytes,
+                                        int32_t half_once) const {
   std::ostringstream s;
   s << "ringreduce: rank " << peer << " and rank " << rank_ << " (this one) were started with "
     << "different settings: ";
@@ -301,6 +310,9 @@ std::string HostGroup::setting_mismatch(int peer, int64_t capacity, int64_t smal
   if (small_bytes != small_bytes_)
     s << "RINGREDUCE_SMALL_BYTES " << small_bytes << " on rank " << peer << " but "
       << small_bytes_ << " here; ";
+  if (half_once != (half_once_ ? 1 : 0))
+    s << "RINGREDUCE_HALF_ROUNDING " << (half_once ? "once" : "per_hop") << " on rank " << peer
+      << " but " << (half_once_ ? "once" : "per_hop") << " here; ";
   s << "every rank must use the same values";
   return s.str();
 }
@@ -313,8 +325,8 @@ std::string HostGroup::size_mismatch(int fd, size_t size) const {
     if (p != MAP_FAILED) {
       const Header* h = static_cast<const Header*>(p);
       std::string text;
-      if (h->magic == kMagic && (h->capacity != capacity_ || h->small_bytes != small_bytes_))
-        text = setting_mismatch(h->rank, h->capacity, h->small_bytes);
+      if (h->magic == kMagic && !same_settings(h))
+        text = setting_mismatch(h->rank, h->capacity, h->small_bytes, h->half_once);
       munmap(p, kHeaderBytes);
       if (!text.empty()) return text.substr(std::string("ringreduce: ").size());
     }

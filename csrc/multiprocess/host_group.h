@@ -104,6 +104,7 @@ struct alignas(64) Header {
   uint64_t pid_ns;   // inode of /proc/self/ns/pid: liveness checks only within one namespace
   int64_t capacity;  // bytes of staging area after the header
   int64_t small_bytes;  // RINGREDUCE_SMALL_BYTES: data bytes of each small-message slot
+  int32_t half_once;    // RINGREDUCE_HALF_ROUNDING: 1 once (the default), 0 per_hop
   alignas(64) std::atomic<uint64_t> progress;
   alignas(64) std::atomic<uint32_t> wake;     // futex word, bumped on every publish
   std::atomic<uint32_t> waiters;              // peers sleeping on `wake`
@@ -172,6 +173,10 @@ class HostGroup {
   int64_t capacity() const { return capacity_; }
   // All-reduces of at most this many bytes take the one-round small path; 0: never.
   int64_t small_bytes() const { return small_bytes_; }
+  // float16 / bfloat16 sums and averages on host memory: summed in fp32 in rank order and
+  // rounded once (RINGREDUCE_HALF_ROUNDING=once, the default), or rounded on every ring hop
+  // (per_hop). Read when the group is made; every rank must have the same.
+  bool half_once() const { return half_once_; }
   void set_timeout(double seconds);
   std::chrono::nanoseconds timeout() const { return timeout_; }
 
@@ -268,7 +273,9 @@ class HostGroup {
                                        const char* what, Problem problem) const;
   std::string where_is(int peer) const;  // "is at step 2 of this phase" etc.
   void compare_descs(const Desc& mine, const Desc& theirs, int peer, const Ctx& ctx) const;
-  std::string setting_mismatch(int peer, int64_t capacity, int64_t small_bytes) const;
+  std::string setting_mismatch(int peer, int64_t capacity, int64_t small_bytes,
+                               int32_t half_once) const;
+  bool same_settings(const Header* h) const;
   std::string size_mismatch(int fd, size_t size) const;  // why a peer's segment size differs
 
   int rank_;
@@ -276,6 +283,7 @@ class HostGroup {
   int64_t capacity_;
   int64_t p2p_ring_bytes_;
   int64_t small_bytes_;
+  bool half_once_;
   size_t small_offset_ = 0;  // of the small-message slots in every segment
   size_t small_stride_ = 0;  // bytes from one slot to the next
   int64_t spin_ns_;          // how long a wait spins before it sleeps

@@ -6,6 +6,7 @@
 #include <cstring>
 #include <stdexcept>
 #include <string>
+#include <vector>
 
 namespace rr {
 namespace cpu {
@@ -147,6 +148,94 @@ void run(const Plan& plan, DType dtype, Op op, int nranks) {
 
 void all_reduce(void* const* bufs, int nranks, int64_t count, DType dtype, Op op) {
   run(all_reduce_plan(bufs, bufs, nranks, count, elem_size(dtype)), dtype, op, nranks);
+}
+
+HalfRounding half_rounding_setting() {
+  const char* v = std::getenv("RINGREDUCE_HALF_ROUNDING");
+  if (v == nullptr || *v == '\0') return HalfRounding::Once;
+  const std::string s(v);
+  if (s == "once") return HalfRounding::Once;
+  if (s == "per_hop") return HalfRounding::PerHop;
+  throw std::invalid_argument("ringreduce: RINGREDUCE_HALF_ROUNDING must be 'once' (float16 and "
+                              "bfloat16 sums accumulated in fp32, rounded once) or 'per_hop' "
+                              "(rounded on every ring hop); got '" + s + "'");
+}
+
+namespace {
+
+// Elements summed per pass: the fp32 accumulators (4 KiB) stay in L1 while every source's
+// piece is added into them.
+constexpr int64_t kOnceBlock = 1024;
+
+template <typename T>
+void sum_rounded_once_typed(T* dst, const void* const* srcs, int nsrcs, int64_t n, bool avg) {
+  float acc[kOnceBlock];
+  const float divisor = float(nsrcs);
+  for (int64_t i = 0; i < n; i += kOnceBlock) {
+    const int64_t len = std::min(kOnceBlock, n - i);
+    // Starting from srcs[0] itself (not 0.0f) keeps a sum of -0.0s at -0.0.
+    const T* first = static_cast<const T*>(srcs[0]) + i;
+    for (int64_t j = 0; j < len; ++j) acc[j] = to_float(first[j]);
+    for (int q = 1; q < nsrcs; ++q) {
+      const T* s = static_cast<const T*>(srcs[q]) + i;
+      for (int64_t j = 0; j < len; ++j) acc[j] += to_float(s[j]);
+    }
+    if (avg) {
+      for (int64_t j = 0; j < len; ++j) acc[j] /= divisor;
+    }
+    // Every source's elements of this block are read before any of dst's is written, so dst
+    // may be one of the sources.
+    for (int64_t j = 0; j < len; ++j) dst[i + j] = store_acc<T>(acc[j]);
+  }
+}
+
+}  // namespace
+
+void sum_rounded_once(DType dtype, Op op, void* dst, const void* const* srcs, int nsrcs,
+                      int64_t n) {
+  if (nsrcs < 1 || (op != Op::Sum && op != Op::Avg))
+    throw std::logic_error("ringreduce internal error: sum_rounded_once takes sum or avg of at "
+                           "least one source; got " + std::to_string(nsrcs) + " and op " +
+                           op_name(op));
+  if (n <= 0) return;
+  if (dtype == DType::BF16) {
+    sum_rounded_once_typed(static_cast<bf16_bits*>(dst), srcs, nsrcs, n, op == Op::Avg);
+  } else if (dtype == DType::F16) {
+    sum_rounded_once_typed(static_cast<half_bits*>(dst), srcs, nsrcs, n, op == Op::Avg);
+  } else {
+    throw std::logic_error(std::string("ringreduce internal error: sum_rounded_once on ") +
+                           dtype_name(dtype) + " (only float16 and bfloat16 round once)");
+  }
+}
+
+void all_reduce_once(const void* const* in, void* const* out, int nranks, int64_t count,
+                     DType dtype, Op op) {
+  const int64_t esize = elem_size(dtype);
+  std::vector<const void*> srcs(static_cast<size_t>(nranks));
+  // Block by block: the sum goes to out[0], then is copied to every other output. out[r] may
+  // be in[r], which this block has finished reading by then; later blocks are untouched.
+  for (int64_t i = 0; i < count; i += kOnceBlock) {
+    const int64_t len = std::min(kOnceBlock, count - i);
+    for (int r = 0; r < nranks; ++r) srcs[size_t(r)] = static_cast<const char*>(in[r]) + i * esize;
+    char* first = static_cast<char*>(out[0]) + i * esize;
+    sum_rounded_once(dtype, op, first, srcs.data(), nranks, len);
+    for (int r = 1; r < nranks; ++r) {
+      std::memcpy(static_cast<char*>(out[r]) + i * esize, first, size_t(len * esize));
+    }
+  }
+}
+
+void reduce_scatter_once(const void* const* in, void* const* out, int nranks, int64_t count,
+                         DType dtype, Op op) {
+  const int64_t esize = elem_size(dtype);
+  std::vector<const void*> srcs(static_cast<size_t>(nranks));
+  for (int b = 0; b < nranks; ++b) {
+    for (int q = 0; q < nranks; ++q) {
+      srcs[size_t(q)] = static_cast<const char*>(in[q]) + int64_t(b) * count * esize;
+    }
+    // out[b] may be block b of in[b]: the same elements, which sum_rounded_once allows.
+    sum_rounded_once(dtype, op, out[b], srcs.data(), nranks, count);
+  }
 }
 
 }  // namespace cpu

@@ -108,7 +108,9 @@ inline const char* op_requirement(Op op) {
 // Arithmetic on them happens in fp32 (see Reducer): each ring hop converts both operands to
 // fp32, applies the operator once and rounds the result back to nearest-even. A value that
 // crosses N ranks is therefore rounded N-1 times (once per reduce-scatter hop); all-gather
-// copies bits and adds no rounding.
+// copies bits and adds no rounding. On the CPU paths, sums and averages are instead summed in
+// fp32 over all ranks and rounded once, unless RINGREDUCE_HALF_ROUNDING=per_hop
+// (cpu_executor.h, sum_rounded_once).
 struct half_bits { uint16_t x; };
 struct bf16_bits { uint16_t x; };
 // torch's bool is one byte holding 0 or 1. Carried as that byte and read as "not zero", so a

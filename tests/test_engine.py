@@ -121,23 +121,31 @@ def _callback_outlives_group(rank, world, store):
     start = time.monotonic()
     dist.destroy_process_group()  # its completion thread is inside `slow`: left detached
     shut = time.monotonic() - start
+    threads = thread_count()  # the detached completion thread among them
     release.set()
     value = chained.wait()
-    # The task ends, dropping the last reference to the group from inside the completion thread
-    # (whose state must outlive the group's): give it time before this rank reports and exits.
-    time.sleep(1.0)
-    return shut, float(value[0])
+    # The task ends, dropping the last reference to the group from inside the completion
+    # thread, which must then leave at once (it used to wait 5 s for itself in the group's
+    # destructor, then lock the freed group's mutex).
+    start = time.monotonic()
+    while thread_count() >= threads and time.monotonic() - start < 3.0:
+        time.sleep(0.01)
+    left = time.monotonic() - start
+    time.sleep(0.5)
+    return shut, float(value[0]), left
 
 
 def test_completion_thread_outlives_its_group(tmp_path):
     """A future callback still running when the group is destroyed: destroy_process_group
     returns after the completer's 2 s grace, and the detached completion thread that then
-    drops the last reference to the group keeps the state it uses alive. A use after free here
-    shows under AddressSanitizer (scripts/sanitize.sh runs this test), where the completion
-    state owned by the group failed it; a normal build can only see a crash."""
-    for shut, value in values(run_ranks(_callback_outlives_group, 2, tmp_path)):
+    drops the last reference to the group keeps the state it uses alive and leaves at once.
+    With the completion state owned by the group, the thread waited 5 s for itself in the
+    group's destructor (this failed: still there after 3 s), then used the freed group
+    (scripts/sanitize.sh also runs this test under AddressSanitizer)."""
+    for shut, value, left in values(run_ranks(_callback_outlives_group, 2, tmp_path)):
         assert value == 2.0
         assert shut < 4.0, f"destroy_process_group took {shut:.1f} s"
+        assert left < 2.0, f"the completion thread was still there {left:.1f} s after its task"
 
 
 class _SlowBackward(torch.autograd.Function):

@@ -40,8 +40,8 @@ from checks import (POISON_BYTE, Unchanged, assert_same_bits, assert_same_bits_b
                     bits, check_all_reduce,
                     check_copying_collectives, check_reducing_collectives, needs_cuda,
                     poison_like, seeded, sleep_cycles)
-from reference import (UNIT_ROUNDOFF, all_gather_model, chunk_bounds, random_inputs,
-                       reduce_scatter_model, ring_model)
+from reference import (UNIT_ROUNDOFF, all_gather_model, chunk_bounds, half_rounding,
+                       random_inputs, reduce_scatter_model, ring_model)
 
 DEV = torch.device("cuda", 0)
 MULTI_GPU = torch.cuda.is_available() and torch.cuda.device_count() >= 2
@@ -458,7 +458,7 @@ def test_storage_offsets(dtype, nranks, pattern, op, device):
     big = (1 << 18) + 5 if device != "cpu" else 70001
     for count in (33, 4099, big):
         inputs = random_inputs(nranks, count, dtype, op, generator=g)
-        expected = ring_model(inputs, op, "per_hop")
+        expected = ring_model(inputs, op, half_rounding(device))
         views = _offset_views(count, dtype, aligned, device)
         for v, x in zip(views, inputs):
             v.copy_(x)
@@ -482,7 +482,8 @@ def test_storage_offsets(dtype, nranks, pattern, op, device):
         for v, x in zip(views, blocks):
             v.copy_(x)
         ringreduce.reduce_scatter(views, outs, op=op)
-        for r, (o, want) in enumerate(zip(outs, reduce_scatter_model(blocks, op, "per_hop"))):
+        for r, (o, want) in enumerate(zip(outs, reduce_scatter_model(blocks, op,
+                                                                    half_rounding(device)))):
             assert_same_bits(o, want, f"reduce_scatter outputs[{r}], n={count}")
 
         views = _offset_views(count, dtype, aligned, device)
@@ -559,8 +560,8 @@ def test_nan_and_inf_on_the_cpu_path(dtype, nranks, op):
             err = (got[finite] - ref[finite]).abs()
             tol = (nranks + 1) * UNIT_ROUNDOFF[dtype] * scale[finite]
             assert bool((err <= tol).all()), f"finite sums off by up to {float(err.max()):.3g}"
-        assert_same_bits_but_nan_payload(results[0], ring_model(inputs, op, "per_hop"),
-                                   f"{op} vs ring model")
+        assert_same_bits_but_nan_payload(results[0], ring_model(inputs, op, half_rounding()),
+                                         f"{op} vs ring model")
 
 
 @needs_cuda

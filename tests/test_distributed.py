@@ -567,12 +567,14 @@ CALLER_RUNS_0 = {"RINGREDUCE_CALLER_RUNS": "0"}
 
 
 @pytest.mark.parametrize("device,mode,victim,env", [
-    ("cpu", "kill", 2, None), ("cpu", "kill", 0, None), ("cpu", "exit", 2, None),
-    ("cpu", "hang", 2, None),
+    pytest.param("cpu", "kill", 2, None, id="cpu-kill-2"),
+    pytest.param("cpu", "kill", 0, None, id="cpu-kill-0"),
+    pytest.param("cpu", "exit", 2, None, id="cpu-exit-2"),
+    pytest.param("cpu", "hang", 2, None, id="cpu-hang-2"),
     pytest.param("cpu", "kill", 2, CALLER_RUNS_0, id="cpu-kill-2-caller_runs0"),
     pytest.param("cpu", "hang", 2, CALLER_RUNS_0, id="cpu-hang-2-caller_runs0"),
-    pytest.param("cuda:0", "kill", 2, None, marks=needs_cuda),
-    pytest.param("cuda:0", "hang", 2, None, marks=needs_cuda)])
+    pytest.param("cuda:0", "kill", 2, None, marks=needs_cuda, id="cuda:0-kill-2"),
+    pytest.param("cuda:0", "hang", 2, None, marks=needs_cuda, id="cuda:0-hang-2")])
 def test_lost_rank_fails_within_timeout(tmp_path, device, mode, victim, env):
     """A rank killed (SIGKILL), gone through os._exit, or hung: the others fail naming it,
     "exited" for a dead rank (at once) and "timed out" for a live one (after the timeout); no
@@ -632,7 +634,9 @@ def _lost_then_teardown(rank, world, store, how, victim):
 
 
 @pytest.mark.parametrize("how,world,victim,env", [
-    ("abort", 3, 0, None), ("kill", 3, 2, None), ("exit", 2, 0, None),
+    pytest.param("abort", 3, 0, None, id="abort-3-0"),
+    pytest.param("kill", 3, 2, None, id="kill-3-2"),
+    pytest.param("exit", 2, 0, None, id="exit-2-0"),
     pytest.param("abort", 3, 0, CALLER_RUNS_0, id="abort-3-0-caller_runs0"),
     pytest.param("kill", 3, 2, CALLER_RUNS_0, id="kill-3-2-caller_runs0")])
 def test_teardown_does_not_wait_for_a_lost_peer(tmp_path, how, world, victim, env):

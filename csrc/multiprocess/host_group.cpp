@@ -425,18 +425,22 @@ void HostGroup::publish(uint64_t value) {
   if (own->waiters.load(std::memory_order_seq_cst) != 0) futex_wake_all(&own->wake);
 }
 
-bool HostGroup::peer_dead(int peer) const {
-  const Header* h = headers_[size_t(peer)];
-  if (h->pid_ns == 0 || h->pid_ns != own_pid_ns()) return false;
-  if (kill(pid_t(h->pid), 0) != 0 && errno == ESRCH) return true;
+bool process_exited(int64_t pid) {
+  if (kill(pid_t(pid), 0) != 0 && errno == ESRCH) return true;
   // A killed child that its parent has not reaped yet is a zombie: still "exists".
-  std::ifstream stat("/proc/" + std::to_string(h->pid) + "/stat");
+  std::ifstream stat("/proc/" + std::to_string(pid) + "/stat");
   std::string line;
   if (!std::getline(stat, line)) return true;
   const size_t paren = line.rfind(')');
   if (paren == std::string::npos || paren + 2 >= line.size()) return false;
   const char state = line[paren + 2];
   return state == 'Z' || state == 'X';
+}
+
+bool HostGroup::peer_dead(int peer) const {
+  const Header* h = headers_[size_t(peer)];
+  if (h->pid_ns == 0 || h->pid_ns != own_pid_ns()) return false;
+  return process_exited(int64_t(h->pid));
 }
 
 std::string HostGroup::describe(const Ctx& ctx) const {

@@ -32,6 +32,10 @@
 namespace rr {
 namespace dist {
 
+// True when process `pid` (of this pid namespace) has exited; a zombie not yet reaped counts as
+// exited (its memory is gone).
+bool process_exited(int64_t pid);
+
 constexpr int kMaxRanks = 64;
 constexpr int kIpcHandleBytes = 64;            // sizeof(cudaIpc{Mem,Event}Handle_t)
 constexpr int kMaxEvents = 2 * kMaxRanks + 2;  // a ring phase records 2N - 1 events

@@ -2,14 +2,11 @@
 // csrc/ring/cuda_kernels.h that the multi-process collectives call.
 #include <cuda_runtime.h>
 #include <fcntl.h>
-#include <signal.h>
 #include <sys/mman.h>
 #include <unistd.h>
 
-#include <cerrno>
-#include <fstream>
-
 #include <atomic>
+#include <cerrno>
 #include <chrono>
 #include <condition_variable>
 #include <cstdio>
@@ -26,6 +23,7 @@
 #include <utility>
 #include <vector>
 
+#include "multiprocess/host_group.h"
 #include "ring/cpu_executor.h"
 #include "ring/cuda_kernels.h"
 
@@ -119,18 +117,6 @@ pid_t exporter_of(const std::string& name) {
   return std::sscanf(name.c_str(), "/fkcuda-%d-", &pid) == 1 ? pid_t(pid) : -1;
 }
 
-// True when `pid` has exited (a zombie not yet reaped counts as exited: its memory is gone).
-bool exited(pid_t pid) {
-  if (pid <= 0) return false;
-  if (kill(pid, 0) != 0 && errno == ESRCH) return true;
-  std::ifstream stat("/proc/" + std::to_string(pid) + "/stat");
-  std::string line;
-  if (!std::getline(stat, line)) return true;
-  const size_t paren = line.rfind(')');
-  if (paren == std::string::npos || paren + 2 >= line.size()) return false;
-  return line[paren + 2] == 'Z' || line[paren + 2] == 'X';
-}
-
 [[noreturn]] void ipc_violation(const char* call, const std::string& name, const char* why) {
   std::fprintf(stderr, "fake CUDA: %s on an IPC import (%s) whose exporter (pid %d) %s: "
                "undefined behaviour in CUDA\n", call, name.c_str(), int(exporter_of(name)), why);
@@ -142,7 +128,9 @@ bool exited(pid_t pid) {
 // or, for a call that ends the import (`ending`), has exited.
 void check_import(const char* call, const std::string& name, bool freed, bool ending) {
   if (freed) ipc_violation(call, name, "has freed it");
-  if (ending && exited(exporter_of(name))) ipc_violation(call, name, "has exited");
+  const pid_t exporter = exporter_of(name);
+  if (ending && exporter > 0 && ::rr::dist::process_exited(exporter))
+    ipc_violation(call, name, "has exited");
 }
 
 // True once the exporter has freed the allocation (cudaFree unlinks its name).

@@ -305,6 +305,8 @@ def test_bad_or_differing_settings_refuse_the_group(tmp_path):
             '"', "'"), msg
     msg = values(run_ranks(_bad_setting, 1, tmp_path, ["1e3"], "RINGREDUCE_SPIN_US"))[0]
     assert "RINGREDUCE_SPIN_US must be a number of microseconds" in msg, msg
+    msg = values(run_ranks(_bad_setting, 1, tmp_path, ["2"], "RINGREDUCE_SPIN_YIELD"))[0]
+    assert "RINGREDUCE_SPIN_YIELD must be 0 or 1" in msg and "'2'" in msg, msg
     # The first rank to map a peer's segment names the setting and gives up, which removes its
     # own segment: the other rank may then fail to open that one instead.
     msgs = values(run_ranks(_bad_setting, 2, tmp_path, ["0", None]))

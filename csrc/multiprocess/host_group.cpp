@@ -48,15 +48,24 @@ constexpr int64_t kDefaultSmallBytes = 32 << 10;
 // Its largest accepted value: every segment holds two slots of this size.
 constexpr int64_t kMaxSmallBytes = 16 << 20;
 // How long a wait spins before it sleeps on the futex, when every rank of the group can have
-// a core of its own (RINGREDUCE_SPIN_US overrides). Measured with bench/shm_latency.py on the
-// 2-core machine: an 8 B all-reduce of 2 ranks takes ~30 us when every wait sleeps
-// (RINGREDUCE_SPIN_US=0) and 0.6-1.3 us when it spins; 4 ranks on the 2 cores take 18-60 us
-// when they spin 5-50 us, 3-15 us when they do not. 50 us keeps ranks that arrive within tens
-// of microseconds of each other off the sleep path; a longer spin only burns a core.
-constexpr int64_t kDefaultSpinNs = 50000;
+// a core of its own (RINGREDUCE_SPIN_US overrides). A wait that gives its core away - a futex
+// sleep, or a sched_yield while another process wants the core - costs a scheduler slice
+// (0.75-3 ms) when the cores are busy: the other process runs its slice before this rank is
+// back. So the spin is about a slice long and never yields: a peer that is running publishes
+// within it, and only a peer that is far behind sends this rank to sleep. Measured with
+// bench/load.py, 2 ranks on the 2-core machine beside one busy loop per core (bench/RESULTS.md,
+// issue 49): a 50 us spin with a sched_yield every 64 pauses took 56 us-7.9 ms per 8 B call and
+// 3.1-3.6 ms per 1 MiB one (3.3-7x its quiet time), a 1 ms spin without yields 11-20 us and
+// 0.40-0.62 ms (0.8-1.2x); a 200 us spin left runs of 2.9 ms at 8 B. On a quiet machine the
+// spin ends as soon as the peer publishes (0.6-1.3 us at 8 B): a longer one costs only where a
+// peer is late, at most 1 ms of a core per wait.
+constexpr int64_t kDefaultSpinNs = 1000000;
 constexpr int64_t kMaxSpinNs = 10000000;
-// sched_yield calls after the spin, before sleeping: where ranks share cores, a yield lets a
-// peer that is ready to run on this core run now rather than after a futex round trip.
+// sched_yield calls before sleeping where the group has more ranks than this process has
+// cores (no spin there): a peer of this group that is ready to run on this core runs now
+// rather than after a futex round trip (4 ranks on 2 quiet cores: 147-211 us per 8 B call with
+// them, 267-462 without). RINGREDUCE_SPIN_YIELD=1 also yields inside the spin, every 64 pauses,
+// and before every sleep (the behaviour before issue 49, for comparison).
 constexpr int kYields = 4;
 
 // Bytes of each point-to-point ring: a quarter of the staging size shared among the
@@ -173,6 +182,8 @@ HostGroup::HostGroup(int rank, int nranks, int64_t capacity, double timeout_s,
   spin_ns_ = env_int("RINGREDUCE_SPIN_US", -1, 0, kMaxSpinNs / 1000,
                      "a number of microseconds (how long a wait spins before it sleeps)");
   spin_ns_ = spin_ns_ >= 0 ? spin_ns_ * 1000 : (nranks <= usable_cpus() ? kDefaultSpinNs : 0);
+  spin_yield_ = env_int("RINGREDUCE_SPIN_YIELD", 0, 0, 1,
+                        "0 or 1 (1: waits yield inside their spin, the old behaviour)") != 0;
   if (nranks < 1 || nranks > kMaxRanks)
     throw std::invalid_argument("ringreduce: world size must be in [1, " +
                                 std::to_string(kMaxRanks) + "]; got " + std::to_string(nranks));
@@ -495,10 +506,9 @@ void HostGroup::raise_peer_problem(int peer, uint64_t target, const Ctx& ctx,
 void HostGroup::wait(int peer, uint64_t target, const Ctx& ctx, const char* what) const {
   Header* h = headers_[size_t(peer)];
   if (h->progress.load(std::memory_order_acquire) >= target) return;
-  // Spin, then yield, then sleep. Every 64 pauses the spin reads the clock and yields: when
-  // the machine is busier than the group and the peer waits for this very core, the yield
-  // lets it run now instead of after the whole spin (measured: 50 us lost per wait otherwise);
-  // when nothing else wants the core, sched_yield returns at once.
+  // Spin (where the group fits the cores), then sleep; yield before sleeping only where the
+  // group does not fit the cores (see kDefaultSpinNs and kYields). The clock is read every 64
+  // pauses.
   if (spin_ns_ > 0) {
     const auto until = Clock::now() + std::chrono::nanoseconds(spin_ns_);
     for (uint32_t i = 1;; ++i) {
@@ -506,11 +516,12 @@ void HostGroup::wait(int peer, uint64_t target, const Ctx& ctx, const char* what
       if (h->progress.load(std::memory_order_acquire) >= target) return;
       if ((i & 63) == 0) {
         if (Clock::now() >= until) break;
-        sched_yield();
+        if (spin_yield_) sched_yield();
       }
     }
   }
-  for (int i = 0; i < kYields; ++i) {
+  const int yields = spin_ns_ == 0 || spin_yield_ ? kYields : 0;
+  for (int i = 0; i < yields; ++i) {
     sched_yield();
     if (h->progress.load(std::memory_order_acquire) >= target) return;
   }

@@ -13,8 +13,9 @@
 // rank's counter by the same amount, so all ranks agree on the value a counter must reach
 // ("rank p has finished step k of this phase" is "progress[p] >= base + k + 1"). A rank writes
 // its data, then publishes with a release store; a reader waits with acquire loads, so what
-// the writer wrote before publishing is visible. Waiters spin briefly (not at all when the
-// group's ranks outnumber this process's cores), then sleep on a futex next to the counter.
+// the writer wrote before publishing is visible. Waiters spin up to a scheduler slice without
+// yielding (not at all when the group's ranks outnumber this process's cores: they yield
+// instead), then sleep on a futex next to the counter.
 //
 // Every wait is bounded by the group's timeout, measured from the start of the collective, and
 // fails naming the collective, the peer and the step. A rank whose collective fails marks its
@@ -291,6 +292,7 @@ class HostGroup {
   size_t small_offset_ = 0;  // of the small-message slots in every segment
   size_t small_stride_ = 0;  // bytes from one slot to the next
   int64_t spin_ns_;          // how long a wait spins before it sleeps
+  bool spin_yield_;          // RINGREDUCE_SPIN_YIELD: sched_yield inside the spin too
   std::chrono::nanoseconds timeout_;
   std::string name_;
   size_t map_bytes_ = 0;

@@ -125,6 +125,9 @@ def parse_args(argv):
     p.add_argument("--min-bytes", type=common.parse_size, default=8)
     p.add_argument("--max-bytes", type=common.parse_size, default=None,
                    help="largest message (default 64M on cpu, 256M on cuda)")
+    p.add_argument("--sizes", default=None,
+                   help="comma-separated message sizes (e.g. 8,64K,1M) instead of the doubling "
+                        "sweep from --min-bytes to --max-bytes")
     p.add_argument("--dtype", choices=DTYPES, default="float32")
     p.add_argument("--iters", type=int, default=None,
                    help="timed calls per size (default: 5..50, fewer for large sizes)")
@@ -154,6 +157,13 @@ def parse_args(argv):
         p.error("--ranks must be >= 1 per host")
     if args.max_bytes is None:
         args.max_bytes = 64 * common.MiB if args.device == "cpu" else 256 * common.MiB
+    if args.sizes is not None:
+        try:
+            args.sizes = sorted({common.parse_size(x) for x in args.sizes.split(",") if x.strip()})
+        except (ValueError, argparse.ArgumentTypeError) as e:
+            p.error(f"--sizes: {e}")
+        if not args.sizes or args.sizes[0] <= 0:
+            p.error("--sizes: give positive sizes, e.g. 8,64K,1M")
     if args.copy_bytes is None:
         args.copy_bytes = min(common.GiB, max(256 * common.MiB, 2 * common.cpu_cache_bytes()))
     if args.backends is None:
@@ -232,6 +242,13 @@ class _InterHostBytes:
         counted = self._counted()
         counted = None if counted is None else (counted - self.counted) / calls
         return {"tcp": tcp / calls, "counted": counted}
+
+
+def sweep_sizes(args, esize):
+    """The message sizes of the sweep (bytes, whole elements): --sizes, else the doubling sweep."""
+    if args.sizes is None:
+        return common.doubling_sizes(args.min_bytes, args.max_bytes, esize)
+    return sorted({max(esize, s // esize * esize) for s in args.sizes})
 
 
 def iterations(size, args):
@@ -327,7 +344,7 @@ def _rank_body(rank, world, label, store, args):
     esize = torch.empty((), dtype=dtype).element_size()
     cache = common.cuda_l2_bytes(device.index) if cuda else common.cpu_cache_bytes()
     if not args.skip_sweep:
-        for size in common.doubling_sizes(args.min_bytes, args.max_bytes, esize):
+        for size in sweep_sizes(args, esize):
             count = size // esize
             pattern = (torch.arange(count, dtype=torch.int64) % 7 + 1).to(dtype)
             nsets = common.rotation_sets(size, cache, 8)
@@ -472,7 +489,7 @@ def run_mpich(args):
     if args.skip_sweep:
         return {"sweep": [], "ddp": None}, None
     esize = torch.empty((), dtype=getattr(torch, args.dtype)).element_size()
-    sizes = common.doubling_sizes(args.min_bytes, args.max_bytes, esize)
+    sizes = sweep_sizes(args, esize)
     try:
         res = mpi_allreduce.run(sizes, [iterations(s, args) for s in sizes], args.ranks,
                                 dtype=args.dtype, warmup=args.warmup, timeout=args.timeout + 60)
@@ -532,11 +549,11 @@ def xhost_model(size, args):
     return [2 * size * (nh - 1) / (nh * smallest), 2 * size * (n - 1) / n]
 
 
-def summary_sizes(sweep_sizes):
+def summary_sizes(swept):
     """The summary's rows: the sizes of SUMMARY_SIZES that were swept, and the largest swept."""
-    keep = [s for s in sweep_sizes if s in SUMMARY_SIZES]
-    if sweep_sizes and sweep_sizes[-1] not in keep:
-        keep.append(sweep_sizes[-1])
+    keep = [s for s in swept if s in SUMMARY_SIZES]
+    if swept and swept[-1] not in keep:
+        keep.append(swept[-1])
     return keep
 
 

@@ -1,0 +1,270 @@
+"""The CPU collectives under load: each backend's all-reduce sweep on a quiet machine and beside
+a CPU load, each one's slowdown against its own quiet run, and ringreduce's ratio to the best
+peer (MPICH, DeepSpeed's shm op).
+
+    python bench/load.py                               # 2 ranks; quiet, then one busy loop per core
+    python bench/load.py --ranks 4 --loads busy,numpy --runs 3
+    python bench/load.py --backends ringreduce --loads busy --sizes 8,1M --runs 1
+
+Loads (each started before a backend's ranks and stopped after them, --load-procs processes,
+default one per core, at the same priority as the ranks):
+- `busy`: `while True: pass`, one per process: every core taken, no memory traffic.
+- `numpy`: a data loader's work: each process makes a batch of 32 random 3x64x64 float32 images,
+  normalises, flips and crops it, and sums it, again and again (numpy on one thread each):
+  every core taken, with memory traffic.
+- `none`: no load (the quiet run every slowdown is measured against; always run first).
+
+The sweep is bench/ddp.py's (the same ranks, buffers, warm-up, iterations and timing: per
+iteration the slowest rank's time, the median over iterations), one run per backend per load;
+--runs repeats the whole thing and the table gives the median of the runs' medians with their
+range. Inputs are integer-valued, so the sum is exact: #wrong counts elements that differ, and
+the exit status is 1 if any is wrong.
+
+Targets (issue 49), checked per loaded row and printed beside it: ringreduce's median at most
+1.5x the best peer's (plus torch's dispatch floor, 3 us, up to 64 KiB), and its slowdown
+against its quiet run at most 3x from 1 MiB up. A peer that is not installed is reported with
+its install command (bench/ddp.py) and left out of the ratio.
+"""
+from __future__ import annotations
+
+import argparse
+import atexit
+import json
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import common  # noqa: E402
+import ddp  # noqa: E402
+
+LOADS = ("none", "busy", "numpy")
+DEFAULT_SIZES = "8,1K,64K,1M,16M,64M"
+# The issue's targets.
+PEER_RATIO = 1.5
+DISPATCH_FLOOR_US = 3.0
+FLOOR_UP_TO = 64 << 10
+SLOWDOWN = 3.0
+SLOWDOWN_FROM = 1 << 20
+
+_BUSY = "while True: pass\n"
+_NUMPY = """
+import numpy as np
+rng = np.random.default_rng(int.from_bytes(__import__('os').urandom(4), 'little'))
+mean = np.float32(0.5); std = np.float32(0.25)
+while True:
+    batch = rng.random((32, 3, 64, 64), dtype=np.float32)
+    batch = (batch - mean) / std
+    batch = batch[:, :, :, ::-1].copy()
+    batch = np.ascontiguousarray(batch[:, :, 4:60, 4:60])
+    batch.sum()
+"""
+_LOAD_CODE = {"busy": _BUSY, "numpy": _NUMPY}
+
+
+class Load:
+    """`procs` processes running load `kind` from start() to stop() (killed at exit too)."""
+
+    def __init__(self, kind, procs):
+        self.kind, self.procs, self.running = kind, procs, []
+        atexit.register(self.stop)
+
+    def start(self):
+        if self.kind == "none":
+            return
+        env = dict(os.environ, OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1", MKL_NUM_THREADS="1")
+        for _ in range(self.procs):
+            self.running.append(subprocess.Popen(
+                [sys.executable, "-c", _LOAD_CODE[self.kind]], env=env,
+                stdin=subprocess.DEVNULL, start_new_session=True))
+        time.sleep(0.5)  # running (and numpy imported) before the ranks start
+        dead = [p.returncode for p in self.running if p.poll() is not None]
+        if dead:
+            self.stop()
+            raise RuntimeError(f"load {self.kind}: {len(dead)} process(es) exited at once "
+                               f"(exit {dead[0]})")
+
+    def stop(self):
+        for p in self.running:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+        for p in self.running:
+            p.wait()
+        self.running = []
+
+    def describe(self):
+        if self.kind == "none":
+            return "none (quiet)"
+        what = {"busy": "`while True: pass`", "numpy": "numpy batches (32x3x64x64 float32: "
+                "normalise, flip, crop, sum), one thread each"}[self.kind]
+        return f"{self.kind}: {self.procs} processes of {what}"
+
+
+def parse_args(argv):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--ranks", type=int, default=2)
+    p.add_argument("--backends", default="ringreduce,mpich,deepspeed",
+                   help="comma-separated, from bench/ddp.py's (ringreduce first: the ratios are "
+                        "its)")
+    p.add_argument("--loads", default="busy",
+                   help=f"comma-separated, from {', '.join(LOADS[1:])}; the quiet run comes first")
+    p.add_argument("--load-procs", type=int, default=None,
+                   help="processes per load (default: one per usable core)")
+    p.add_argument("--sizes", default=DEFAULT_SIZES, help="comma-separated message sizes")
+    p.add_argument("--runs", type=int, default=1, help="repetitions of every (load, backend)")
+    p.add_argument("--iters", type=int, default=None,
+                   help="timed calls per size (default bench/ddp.py's: 5-50 by size)")
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--timeout", type=float, default=120.0, help="process group timeout, s")
+    p.add_argument("--json", metavar="PATH", help="write every run's rows and the configuration")
+    args = p.parse_args(argv)
+    loads = [x.strip() for x in args.loads.split(",") if x.strip()]
+    for x in loads:
+        if x not in LOADS[1:]:
+            p.error(f"--loads: unknown load {x!r} (known: {', '.join(LOADS[1:])})")
+    args.loads = ["none"] + [x for i, x in enumerate(loads) if x not in loads[:i]]
+    if args.load_procs is None:
+        args.load_procs = len(os.sched_getaffinity(0))
+    if args.load_procs < 1 or args.runs < 1 or args.ranks < 2:
+        p.error("--load-procs and --runs must be >= 1, --ranks >= 2")
+    args.backends = [b.strip() for b in args.backends.split(",") if b.strip()]
+    if not args.backends:
+        p.error("--backends: name at least one")
+    return args
+
+
+def sweep_args(args, backend):
+    """bench/ddp.py's arguments for one backend's all-reduce sweep."""
+    argv = ["--device", "cpu", "--ranks", str(args.ranks), "--backends", backend,
+            "--sizes", args.sizes, "--warmup", str(args.warmup), "--timeout", str(args.timeout),
+            "--skip-ddp", "--copy-bytes", "1M"]
+    if args.iters is not None:
+        argv += ["--iters", str(args.iters)]
+    return ddp.parse_args(argv)
+
+
+def target_text(size, t, quiet, best_peer):
+    """Whether ringreduce's loaded median `t` meets the issue's targets at `size`."""
+    checks = []
+    if best_peer is not None:
+        bound = PEER_RATIO * best_peer + (DISPATCH_FLOOR_US if size <= FLOOR_UP_TO else 0.0)
+        checks.append(t <= bound)
+    if size >= SLOWDOWN_FROM and quiet is not None:
+        checks.append(t <= SLOWDOWN * quiet)
+    if not checks:
+        return "-"
+    return "met" if all(checks) else "NOT met"
+
+
+def main(argv=None):
+    args = parse_args(sys.argv[1:] if argv is None else argv)
+    info = common.host_info()
+    print(f"# bench/load.py  {info['date']}  host {info['host']}")
+    print(f"# cpu: {info['cpu']} ({info['cpu_count']} logical cores, "
+          f"{len(os.sched_getaffinity(0))} usable)  torch {info['torch']}")
+    print(f"# {args.ranks} ranks per backend, float32 sum; {args.runs} run(s) of every "
+          "(load, backend); per size the median over iterations of the slowest rank's time, "
+          "then the median (min-max) over runs")
+    print(f"# command: {common.command_line()}")
+    print("# load average at start: " + ", ".join(f"{x:.2f}" for x in os.getloadavg()))
+    loads = {kind: Load(kind, args.load_procs) for kind in args.loads}
+    for kind in args.loads:
+        print(f"# load {loads[kind].describe()}")
+    # times[load][backend] = list over runs of {size: us}; why[backend] = why it did not run
+    times = {kind: {b: [] for b in args.backends} for kind in args.loads}
+    why, bad, raw = {}, False, []
+    for run in range(args.runs):
+        for kind in args.loads:
+            for backend in args.backends:
+                if backend in why:
+                    continue
+                load = loads[kind]
+                load.start()
+                try:
+                    res, reason = ddp.run_backend(backend, sweep_args(args, backend))
+                finally:
+                    load.stop()
+                if res is None:
+                    why[backend] = reason
+                    print(f"# {backend}: {reason}", file=sys.stderr if
+                          reason.startswith("failed") else sys.stdout)
+                    bad = bad or reason.startswith("failed")
+                    continue
+                rows = res["sweep"]
+                times[kind][backend].append({r["size"]: r["time_us"] for r in rows})
+                wrong = sum(r["wrong"] for r in rows)
+                bad = bad or wrong > 0
+                raw.append({"run": run, "load": kind, "backend": backend, "rows": rows})
+                print(f"# run {run + 1}/{args.runs}, load {kind}, {backend}: " + ", ".join(
+                    f"{common.format_size(r['size'])} {r['time_us']:.1f} us" for r in rows)
+                    + (f"; {wrong} WRONG" if wrong else ""), flush=True)
+
+    ran = [b for b in args.backends if b not in why]
+    peers = [b for b in ran if b in ddp.PEERS]
+    sizes = sorted(next((t[0].keys() for t in times["none"].values() if t), []))
+    stat = {kind: {b: {s: [t[s] for t in times[kind][b]] for s in sizes} for b in ran}
+            for kind in args.loads}
+
+    def med(kind, b, s):
+        v = stat[kind][b][s]
+        return statistics.median(v) if v else None
+
+    def cell(kind, b, s):
+        v = stat[kind][b][s]
+        if not v:
+            return "-"
+        m = statistics.median(v)
+        return f"{m:.1f}" if len(v) == 1 else f"{m:.1f} ({min(v):.1f}-{max(v):.1f})"
+
+    summary = []
+    for kind in args.loads:
+        print()
+        print(f"# load {loads[kind].describe()}: median us per call" +
+              ("" if kind == "none" else "; x: slowdown against the same backend's quiet run"))
+        head = f"# {'size':>8}"
+        for b in ran:
+            head += f" {b:>26}" + ("" if kind == "none" else f" {'x':>6}")
+        if "ringreduce" in ran and peers:
+            head += f" {'rr/best peer':>12}"
+        if kind != "none" and "ringreduce" in ran:
+            head += f" {'target':>8}"
+        print(head)
+        for s in sizes:
+            line = f"  {common.format_size(s):>8}"
+            row = {"load": kind, "size": s}
+            for b in ran:
+                line += f" {cell(kind, b, s):>26}"
+                row[b] = med(kind, b, s)
+                if kind != "none":
+                    q, t = med("none", b, s), med(kind, b, s)
+                    x = t / q if q and t is not None else None
+                    line += f" {x:>6.2f}" if x is not None else f" {'-':>6}"
+                    row[f"{b}_slowdown"] = x
+            best = min((med(kind, p, s) for p in peers), default=None)
+            if "ringreduce" in ran and peers:
+                ratio = med(kind, "ringreduce", s) / best
+                line += f" {ratio:>12.2f}"
+                row["ratio_to_best_peer"] = ratio
+            if kind != "none" and "ringreduce" in ran:
+                verdict = target_text(s, med(kind, "ringreduce", s), med("none", "ringreduce", s),
+                                      best)
+                line += f" {verdict:>8}"
+                row["target"] = verdict
+            print(line)
+            summary.append(row)
+    for b, reason in why.items():
+        print(f"# {b}: {reason.splitlines()[0]}")
+    if args.json:
+        common.write_json(args.json, {"host": info, "command": common.command_line(),
+                                      "ranks": args.ranks, "runs": args.runs,
+                                      "loads": {k: loads[k].describe() for k in args.loads},
+                                      "unavailable": why, "summary": summary, "raw": raw})
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,89 @@
+"""bench/load.py (the CPU collectives beside a CPU load): its targets' arithmetic, its load
+processes (started, then gone), and a tiny run's tables, JSON and exit status. Speed is never
+asserted here. Every run is bounded by checks.run_bounded."""
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from checks import alive, load_module, run_bounded
+
+ROOT = Path(__file__).resolve().parents[1]
+LOAD = ROOT / "bench" / "load.py"
+load = load_module("bench_load", LOAD)
+
+
+def test_targets_follow_the_issue():
+    """Up to 64 KiB: at most 1.5x the best peer plus the 3 us dispatch floor; from 1 MiB: also
+    at most 3x ringreduce's own quiet time."""
+    assert load.target_text(8, 7.5, 5.0, 3.0) == "met"  # 1.5 * 3 + 3
+    assert load.target_text(8, 7.6, 5.0, 3.0) == "NOT met"
+    assert load.target_text(64 << 10, 33.0, 1.0, 20.0) == "met"
+    assert load.target_text(128 << 10, 33.0, 1.0, 20.0) == "NOT met"  # no floor above 64 KiB
+    assert load.target_text(1 << 20, 300.0, 100.0, 400.0) == "met"
+    assert load.target_text(1 << 20, 301.0, 100.0, 400.0) == "NOT met"  # 3x its quiet time
+    assert load.target_text(1 << 20, 601.0, 1000.0, 400.0) == "NOT met"  # 1.5x the best peer
+    assert load.target_text(1 << 20, 250.0, 100.0, None) == "met"  # no peer ran
+    assert load.target_text(8, 9.0, 5.0, None) == "-"
+
+
+def test_arguments():
+    args = load.parse_args(["--loads", "numpy,busy,numpy", "--load-procs", "3"])
+    assert args.loads == ["none", "numpy", "busy"] and args.load_procs == 3
+    assert load.parse_args([]).load_procs == len(os.sched_getaffinity(0))
+    with pytest.raises(SystemExit):
+        load.parse_args(["--loads", "idle"])
+    with pytest.raises(SystemExit):
+        load.parse_args(["--ranks", "1"])
+
+
+@pytest.mark.parametrize("kind", ["busy", "numpy"])
+def test_load_processes_run_and_stop(kind):
+    procs = load.Load(kind, 2)
+    procs.start()
+    try:
+        pids = [p.pid for p in procs.running]
+        assert len(pids) == 2 and all(alive(pid) for pid in pids)
+        # They burn CPU: each process's CPU time grows.
+        before = [_cpu_ticks(pid) for pid in pids]
+        time.sleep(0.5)
+        assert all(_cpu_ticks(pid) > b for pid, b in zip(pids, before))
+    finally:
+        procs.stop()
+    assert procs.running == [] and not any(alive(pid) for pid in pids)
+    quiet = load.Load("none", 2)
+    quiet.start()
+    assert quiet.running == []
+
+
+def _cpu_ticks(pid):
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return int(fields[11]) + int(fields[12])  # utime + stime
+
+
+@pytest.mark.timeout(300)
+def test_tiny_run_tables_json_and_exit(tmp_path):
+    out = tmp_path / "load.json"
+    rc, text = run_bounded([sys.executable, str(LOAD), "--backends", "ringreduce",
+                            "--sizes", "8,64K", "--iters", "3", "--warmup", "1",
+                            "--loads", "busy", "--load-procs", "1", "--json", str(out)],
+                           240, cwd=ROOT)
+    assert rc == 0, text
+    assert "# load none (quiet): median us per call" in text, text
+    assert "# load busy: 1 processes of `while True: pass`" in text, text
+    data = json.loads(out.read_text())
+    assert data["ranks"] == 2 and set(data["loads"]) == {"none", "busy"}
+    rows = {(r["load"], r["size"]): r for r in data["summary"]}
+    assert set(rows) == {(ld, s) for ld in ("none", "busy") for s in (8, 64 << 10)}
+    for (ld, s), r in rows.items():
+        assert r["ringreduce"] > 0, r
+        if ld == "busy":
+            assert r["ringreduce_slowdown"] == pytest.approx(
+                r["ringreduce"] / rows[("none", s)]["ringreduce"]), r
+            assert r["target"] == "-", r  # no peer ran, and no size from 1 MiB
+    assert all(row["wrong"] == 0 for run in data["raw"] for row in run["rows"])
+    assert {(run["load"], run["backend"]) for run in data["raw"]} == {
+        ("none", "ringreduce"), ("busy", "ringreduce")}

@@ -159,10 +159,10 @@ def parse_args(argv):
         args.max_bytes = 64 * common.MiB if args.device == "cpu" else 256 * common.MiB
     if args.sizes is not None:
         try:
-            args.sizes = sorted({common.parse_size(x) for x in args.sizes.split(",") if x.strip()})
-        except (ValueError, argparse.ArgumentTypeError) as e:
+            args.sizes = [common.parse_size(x) for x in args.sizes.split(",") if x.strip()]
+        except argparse.ArgumentTypeError as e:
             p.error(f"--sizes: {e}")
-        if not args.sizes or args.sizes[0] <= 0:
+        if not args.sizes or min(args.sizes) <= 0:
             p.error("--sizes: give positive sizes, e.g. 8,64K,1M")
     if args.copy_bytes is None:
         args.copy_bytes = min(common.GiB, max(256 * common.MiB, 2 * common.cpu_cache_bytes()))

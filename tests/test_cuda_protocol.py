@@ -99,6 +99,20 @@ def test_teardown_does_not_wait_for_an_aborted_peer(driver):
         assert teardown < 0.5, f"rank {rank}: teardown took {teardown:.2f} s"
 
 
+def test_peers_that_give_up_on_an_aborted_rank_wait_while_it_closes_their_imports(driver):
+    """Rank 0 aborts; its peers wait up to 3 s (kAbortedPeerGrace) for its release. Rank 0's
+    first close of an import stalls 4 s (a rank descheduled right after it saw its peers
+    alive): having seen that it began closing, they must wait for it, or the fake runtime
+    aborts it for closing an import whose exporter has exited."""
+    proc, _ = run(driver, 3, 8192, "abort", env={"FAKE_CUDA_SLOW_CLOSE_MS": "4000",
+                                                 "PROTOCOL_SLOW_CLOSE_RANK": "0"})
+    assert "fake CUDA:" not in proc.stderr, proc.stdout + proc.stderr
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    lines = rank_lines(proc.stdout)
+    assert sorted(lines) == [0, 1, 2], proc.stdout + proc.stderr
+    assert lines[0][2] > 3.5, f"rank 0's close did not stall: {proc.stdout}"
+
+
 def test_teardown_waits_for_a_live_peer_to_release(driver):
     proc, _ = run(driver, 3, 8192, "skew")
     assert proc.returncode == 0, proc.stdout + proc.stderr
@@ -158,4 +172,20 @@ def test_distinct_devices_without_peer_access_fail_setup_clearly(driver):
         line = [x for x in proc.stderr.splitlines() if x.startswith(f"rank {rank}: error:")]
         assert line and "cuda_setup" in line[0] and "cudaErrorPeerAccessUnsupported" in line[0] \
             and f"while opening rank {peer}'s CUDA staging area" in line[0], proc.stderr
+    assert elapsed < 60.0, f"took {elapsed:.1f} s:\n{proc.stderr}"
+
+
+def test_a_rank_leaves_alone_the_imports_of_a_peer_that_gave_up_on_it(driver):
+    """As above, where ranks 1 and 2 give up waiting for rank 0's release (it is stuck in the
+    CPU reference group they never joined) and close their groups. Rank 2 then takes 0.5 s to
+    exit, and rank 0's first close of an import stalls 1 s (a rank descheduled right after it
+    saw its peer alive). Rank 0 must see that its peers left without it and leave their
+    imports alone, or the fake runtime aborts it for closing an import whose exporter has
+    exited (CI saw that once, without the delays)."""
+    proc, elapsed = run(driver, 3, 8192, "ddp_distinct_devices",
+                        env={"FAKE_CUDA_REFUSE_PEER": "1,2", "PROTOCOL_LATE_EXIT": "2:500",
+                             "FAKE_CUDA_SLOW_CLOSE_MS": "1000"}, timeout=120)
+    exits = dict(re.findall(r"rank (\d+) exit (\d+)", proc.stdout))
+    assert "fake CUDA:" not in proc.stderr, proc.stdout + proc.stderr
+    assert exits == {"0": "3", "1": "3", "2": "3"}, proc.stdout + proc.stderr
     assert elapsed < 60.0, f"took {elapsed:.1f} s:\n{proc.stderr}"

@@ -40,6 +40,9 @@ constexpr std::chrono::seconds kGoneGrace{1};
 // whose own work was stuck for kGoneGrace and then finished still closes its mappings before
 // this process can exit and free what they map.
 constexpr std::chrono::seconds kAbortedPeerGrace{3};
+// How long a rank that gives up waiting for its peers' release still waits for a peer that has
+// begun closing its imports: it waits for nothing, and is a few CUDA calls from done.
+constexpr std::chrono::seconds kClosingPeerWait{5};
 
 // One device-to-device copy of `bytes` bytes (skipped when empty).
 struct Copy {
@@ -340,14 +343,17 @@ class Peers {
   // mapping), and a peer that is gone without releasing never will. In (b), the imports of a
   // peer whose process has exited are left alone: its exit freed the memory and events they
   // refer to, and closing or destroying an import after its exporter freed it is undefined
-  // behaviour in CUDA (the driver's mappings go when this process exits).
+  // behaviour in CUDA (the driver's mappings go when this process exits). So are those of a
+  // peer that has stopped waiting for this rank's release and may exit at any moment: the
+  // closing/leaving handshake (HostGroup::begin_cuda_close) makes sure that a peer that has not
+  // said so waits until this rank is done. Nothing is released once the group is closed.
   void teardown() {
     const Clock::time_point deadline = Clock::now() + std::min<Clock::duration>(
         g_.timeout(), std::chrono::duration_cast<Clock::duration>(kTeardownLimit));
-    if (!wait_own_work(deadline)) return;
+    if (g_.closed() || !wait_own_work(deadline) || !g_.begin_cuda_close()) return;
     const int rank = g_.rank();
     for (size_t r = 0; r < peer_events_.size(); ++r) {
-      if (int(r) == rank || g_.peer_dead(int(r))) continue;
+      if (int(r) == rank || !g_.may_close_imports_of(int(r))) continue;
       if (r < staging_.size() && staging_[r] != nullptr) cudaIpcCloseMemHandle(staging_[r]);
       for (cudaEvent_t e : peer_events_[r]) cudaEventDestroy(e);
     }
@@ -359,7 +365,7 @@ class Peers {
     if (copy_stream_ != nullptr) cudaStreamDestroy(copy_stream_);
     copy_stream_ = nullptr;
     cudaGetLastError();
-    if (!g_.release_cuda_and_wait(deadline, kAbortedPeerGrace)) return;
+    if (!g_.release_cuda_and_wait(deadline, kAbortedPeerGrace, kClosingPeerWait)) return;
     for (cudaEvent_t e : own_) cudaEventDestroy(e);
     own_.clear();
     if (rank < int(staging_.size()) && staging_[size_t(rank)] != nullptr)

@@ -33,7 +33,7 @@ static_assert(sizeof(std::atomic<uint32_t>) == 4, "the futex word must be 32 bit
 
 namespace {
 
-constexpr uint64_t kMagic = 0x32646572676e6972ULL;  // "ringred2"
+constexpr uint64_t kMagic = 0x33646572676e6972ULL;  // "ringred3"
 constexpr size_t kHeaderBytes = (sizeof(Header) + 4095) / 4096 * 4096;
 constexpr size_t kP2PCounterBytes = (sizeof(P2PCounters) + 4095) / 4096 * 4096;
 
@@ -235,6 +235,8 @@ HostGroup::HostGroup(int rank, int nranks, int64_t capacity, double timeout_s,
   h->waiters.store(0, std::memory_order_relaxed);
   h->waiting_for.store(-1, std::memory_order_relaxed);
   h->cuda_released.store(0, std::memory_order_relaxed);
+  h->cuda_closing.store(0, std::memory_order_relaxed);
+  h->cuda_leaving.store(0, std::memory_order_relaxed);
   h->small_done.store(0, std::memory_order_relaxed);
   h->p2p_bell.store(0, std::memory_order_relaxed);
   h->p2p_waiters.store(0, std::memory_order_relaxed);
@@ -649,11 +651,23 @@ bool HostGroup::peer_gone(int peer) const {
          peer_dead(peer);
 }
 
-bool HostGroup::release_cuda_and_wait(Clock::time_point deadline,
-                                      Clock::duration aborted_grace) const {
+bool HostGroup::begin_cuda_close() const {
+  if (closed()) return false;
+  headers_[size_t(rank_)]->cuda_closing.store(1, std::memory_order_seq_cst);
+  return true;
+}
+
+bool HostGroup::may_close_imports_of(int peer) const {
+  return headers_[size_t(peer)]->cuda_leaving.load(std::memory_order_seq_cst) == 0 &&
+         !peer_dead(peer);
+}
+
+bool HostGroup::release_cuda_and_wait(Clock::time_point deadline, Clock::duration aborted_grace,
+                                      Clock::duration closing_wait) const {
   if (closed()) return false;
   headers_[size_t(rank_)]->cuda_released.store(1, std::memory_order_seq_cst);
-  for (int r = 0; r < nranks_; ++r) {
+  bool all = true;
+  for (int r = 0; r < nranks_ && all; ++r) {
     if (r == rank_) continue;
     const Header* h = headers_[size_t(r)];
     auto next_liveness_check = Clock::now();
@@ -674,7 +688,7 @@ bool HostGroup::release_cuda_and_wait(Clock::time_point deadline,
       const uint32_t state = h->state.load(std::memory_order_acquire);
       if (state != kLive && h->cuda_released.load(std::memory_order_acquire) == 0) {
         if (state != kAborted) {
-          if (!peer_dead(r)) return false;
+          if (!peer_dead(r)) all = false;
           break;
         }
         if (!aborted_seen) {
@@ -682,11 +696,29 @@ bool HostGroup::release_cuda_and_wait(Clock::time_point deadline,
           give_up = std::min(deadline, t + aborted_grace);
         }
       }
-      if (t >= give_up) return false;
+      if (t >= give_up) {
+        all = false;
+        break;
+      }
       std::this_thread::sleep_for(std::chrono::milliseconds(1));
     }
   }
-  return true;
+  if (all) return true;
+  // Leaving with this rank's exports possibly still mapped by some peer: say so first, then
+  // let every peer that had already begun closing its imports (and so may be closing this
+  // rank's right now, having seen no "leaving") finish. A peer that begins later sees it.
+  headers_[size_t(rank_)]->cuda_leaving.store(1, std::memory_order_seq_cst);
+  const Clock::time_point end = Clock::now() + closing_wait;
+  for (int r = 0; r < nranks_; ++r) {
+    if (r == rank_) continue;
+    const Header* h = headers_[size_t(r)];
+    if (h->cuda_closing.load(std::memory_order_seq_cst) == 0) continue;
+    while (h->cuda_released.load(std::memory_order_acquire) == 0 && !peer_dead(r) &&
+           Clock::now() < end) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    }
+  }
+  return false;
 }
 
 }  // namespace dist

@@ -116,6 +116,12 @@ struct alignas(64) Header {
   alignas(64) std::atomic<int32_t> waiting_for;  // the rank this one is blocked on, or -1
   alignas(64) std::atomic<uint32_t> state;    // kLive / kAborted / kClosed
   std::atomic<uint32_t> cuda_released;        // 1: holds no peer's IPC events or memory any more
+  // CUDA teardown's handshake between an importer and an exporter that stops waiting for it
+  // (release_cuda_and_wait): 1 once this rank has begun closing its imports of peers' IPC
+  // events and memory (begin_cuda_close) / once it gave up waiting for a peer's release and
+  // may exit with its exports still mapped there.
+  std::atomic<uint32_t> cuda_closing;
+  std::atomic<uint32_t> cuda_leaving;
   // The number (Desc::seq) of the last one-round all-reduce this rank finished: a peer that
   // finds this rank aborted tells "failed inside it" from "failed after it" (check_not_failed).
   std::atomic<uint64_t> small_done;
@@ -264,8 +270,24 @@ class HostGroup {
   // no longer used by anyone and may be freed. A peer whose group is closed without that
   // announcement is not waited for (it never will make it) and makes the answer false; one
   // whose group is aborted is waited for at most `aborted_grace` (it may be tearing down).
+  // Before it gives up on a peer (false), it announces that it is leaving, and then waits for
+  // every peer that has begun closing its imports (begin_cuda_close) to finish, or to exit, for
+  // at most `closing_wait` more: such a peer no longer waits for anything and is a few CUDA
+  // calls from done.
   bool release_cuda_and_wait(std::chrono::steady_clock::time_point deadline,
-                             std::chrono::steady_clock::duration aborted_grace) const;
+                             std::chrono::steady_clock::duration aborted_grace,
+                             std::chrono::steady_clock::duration closing_wait) const;
+  // Teardown of the CUDA path, before this rank closes its imports of peers' IPC events and
+  // memory: announces that it begins to. False when the group is closed (nothing may be
+  // closed then: no peer can be asked).
+  bool begin_cuda_close() const;
+  // After begin_cuda_close: true when rank `peer`'s imports here may be closed; false when it
+  // has exited or left without waiting for this rank (closing or destroying an import after
+  // its exporter exited is undefined behaviour in CUDA). The two announcements are
+  // sequentially consistent: of this rank's "closing" and the peer's "leaving", at least one
+  // side sees the other's, so either the peer waits for this rank's release or this rank
+  // leaves the peer's imports alone.
+  bool may_close_imports_of(int peer) const;
   // True when rank `peer` has exited, or its group is no longer live (aborted or closed).
   bool peer_gone(int peer) const;
   // The lowest peer whose group failed (its header aborted), with its message; false when none

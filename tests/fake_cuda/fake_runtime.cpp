@@ -125,8 +125,14 @@ pid_t exporter_of(const std::string& name) {
 }
 
 // Ends the process if the exporter of the shared-memory object `name` has released it (`freed`)
-// or, for a call that ends the import (`ending`), has exited.
+// or, for a call that ends the import (`ending`), has exited. FAKE_CUDA_SLOW_CLOSE_MS (default
+// 0) delays the process's first call that ends an import by that long before the check: a
+// caller descheduled between its own check that the exporter lives and its call.
 void check_import(const char* call, const std::string& name, bool freed, bool ending) {
+  static const int slow_close_ms = env_int("FAKE_CUDA_SLOW_CLOSE_MS", 0);
+  static std::atomic<bool> slowed{false};
+  if (ending && slow_close_ms > 0 && !slowed.exchange(true))
+    std::this_thread::sleep_for(std::chrono::milliseconds(slow_close_ms));
   if (freed) ipc_violation(call, name, "has freed it");
   const pid_t exporter = exporter_of(name);
   if (ending && exporter > 0 && ::rr::dist::process_exited(exporter))

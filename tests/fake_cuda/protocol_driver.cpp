@@ -25,6 +25,8 @@
 //         (RINGREDUCE_ASYNC=0) on stream 0 with another device current. ddp_nowait and
 //         ddp_nodevice are the same with a planted bug (no stream wait in Work.wait; a progress
 //         thread that never selects the rank's device): they must fail.
+// PROTOCOL_LATE_EXIT="R:MS" makes rank R wait MS milliseconds between its teardown and its exit;
+// PROTOCOL_SLOW_CLOSE_RANK=R keeps FAKE_CUDA_SLOW_CLOSE_MS (fake_runtime.cpp) for rank R only.
 // Prints "rank R: checked C failures F teardown T s" per rank; exits non-zero on any failure.
 #include <cuda_runtime.h>
 #include <dirent.h>
@@ -39,6 +41,7 @@
 #include <mutex>
 #include <thread>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <functional>
 #include <memory>
@@ -460,6 +463,8 @@ int main(int argc, char** argv) {
     const pid_t pid = fork();
     if (pid == 0) {
       alarm(300);
+      const char* slow = std::getenv("PROTOCOL_SLOW_CLOSE_RANK");
+      if (slow != nullptr && std::atoi(slow) != r) unsetenv("FAKE_CUDA_SLOW_CLOSE_MS");
       int rc = 1;
       try {
         const bool distinct = mode == "distinct_devices" || mode.rfind("ddp", 0) == 0;
@@ -477,6 +482,10 @@ int main(int argc, char** argv) {
       }
       std::fflush(stdout);
       std::fflush(stderr);
+      const char* late = std::getenv("PROTOCOL_LATE_EXIT");
+      int late_rank = -1, ms = 0;
+      if (late != nullptr && std::sscanf(late, "%d:%d", &late_rank, &ms) == 2 && late_rank == r)
+        std::this_thread::sleep_for(std::chrono::milliseconds(ms));
       _exit(rc);
     }
     ranks.push_back(pid);

@@ -313,3 +313,40 @@ def test_bad_or_differing_settings_refuse_the_group(tmp_path):
     assert "no error" not in msgs, msgs
     assert any(f"RINGREDUCE_SMALL_BYTES {DEFAULT_SMALL_BYTES} on rank 1 but 0 here" in m or
                f"RINGREDUCE_SMALL_BYTES 0 on rank 0 but {DEFAULT_SMALL_BYTES} here" in m for m in msgs), msgs
+
+
+# ---------------------------------------------------------------------------------------
+# Two ranks on one core
+
+def _one_core(rank, world, store, seed):
+    """Every rank pinned to the same CPU, with a 1 ms spin forced (RINGREDUCE_SPIN_US; the
+    group would not spin by itself with more ranks than CPUs): each wait spins until its slice
+    or the spin ends while the peer it waits for cannot run (host_group.cpp HostGroup::wait).
+    Exact integer sums of the small path and the ring, several rounds of the staging area."""
+    os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})
+    torch.set_num_threads(1)  # torch's own worker threads would spin against each other
+    init(rank, world, store, timeout=60.0)
+    checked = 0
+    for count in (1, 5, 1000, 70000, 600001):
+        for i in range(3):
+            g = torch.Generator().manual_seed(seed + 10 * count + i)
+            inputs = [torch.randint(-1000, 1000, (count,), generator=g, dtype=torch.int64)
+                      for _ in range(world)]
+            expect = sum(inputs)
+            t = inputs[rank].clone()
+            dist.all_reduce(t)
+            assert torch.equal(t, expect), (count, i)
+            checked += 1
+    cpus = os.sched_getaffinity(0)
+    dist.destroy_process_group()
+    return checked, len(cpus)
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("world", [2, 3])
+def test_ranks_pinned_to_one_core_with_a_forced_spin(tmp_path, world):
+    seed = 4242
+    print(f"seed {seed}")
+    got = values(run_ranks(_one_core, world, tmp_path, seed,
+                           env={"RINGREDUCE_SPIN_US": "1000"}))
+    assert got == [(15, 1)] * world, got

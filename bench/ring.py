@@ -61,12 +61,12 @@ NCCL_PROBE_FLAG = "--nccl-probe"
 # just over 1 MiB of float32, where the first GPU run hung (LL128, more channels).
 NCCL_PROBE_COUNTS = (4099, (1 << 18) + 3)
 # What --impls may name; the columns come in this order. On CPU the torch reference follows.
-IMPL_CHOICES = ("ringreduce", "oneshot", "nccl", "graph")
-IMPL_NAMES = {"ringreduce": "ringreduce", "oneshot": "ringreduce-oneshot", "nccl": "nccl",
-              "graph": "ringreduce-graph"}
+IMPL_CHOICES = ("ringreduce", "oneshot", "fused", "nccl", "graph")
+IMPL_NAMES = {"ringreduce": "ringreduce", "oneshot": "ringreduce-oneshot",
+              "fused": "ringreduce-fused", "nccl": "nccl", "graph": "ringreduce-graph"}
 # Columns whose failure skips their further sizes and is reported, without failing the run (a
 # wrong result fails it always): NCCL, and the forced and graphed variants of ringreduce.
-OPTIONAL_IMPLS = ("nccl", "ringreduce-graph", "ringreduce-oneshot")
+OPTIONAL_IMPLS = ("nccl", "ringreduce-graph", "ringreduce-oneshot", "ringreduce-fused")
 # Exit statuses beyond 0 (all right), 1 (a wrong result or a failing ringreduce) and 2 (bad
 # arguments): a wait for the GPU passed --deadline (the run stops there: a hung kernel cannot be
 # stopped, so the process ends without waiting for it), and --budget ran out before every size.
@@ -210,7 +210,9 @@ def parse_args(argv):
                    help="the columns, comma-separated, from " + ", ".join(IMPL_CHOICES)
                         + " (default %(default)s): ringreduce as it chooses its kernel; "
                         "oneshot: ringreduce with the one-shot kernel forced, at the sizes where "
-                        "it would run the ring (ranks on one GPU); nccl; graph (as --graph). "
+                        "it would run the ring (ranks on one GPU); fused: ringreduce with "
+                        "RINGREDUCE_FUSED=1 (the fused ring kernel, synchronous) at those sizes; "
+                        "nccl; graph (as --graph). "
                         "On CPU the torch reference is always added. `--impls ringreduce` and "
                         "`--impls nccl` measure each in a process of its own, so that a hang in "
                         "one cannot cost the other")
@@ -462,22 +464,49 @@ def _now() -> float:
     return time.monotonic()
 
 
+def _off_one_gpu(cfg: Config, transport: str, choice: str, what: str) -> Unavailable | None:
+    """Why the column `choice` cannot run (its kernel needs every rank on one GPU and the p2p
+    transport), or None."""
+    if cfg.one_gpu and transport == "p2p":
+        return None
+    return Unavailable(IMPL_NAMES[choice], "needs ranks on one GPU",
+                       f"{choice}: {what} runs only with every rank on one GPU and "
+                       "RINGREDUCE_TRANSPORT=p2p")
+
+
 def forced_oneshot(cfg: Config, transport: str) -> Impl | Unavailable:
     """ringreduce with the one-shot kernel forced (RINGREDUCE_ONESHOT_BYTES above every size,
     set only while it runs), at the sizes where ringreduce's own choice is the ring: on one GPU
     the one-shot kernel (each rank reads every peer once) may beat the ring at any size."""
-    name = IMPL_NAMES["oneshot"]
-    if not (cfg.one_gpu and transport == "p2p"):
-        return Unavailable(name, "needs ranks on one GPU",
-                           "oneshot: the one-shot kernel runs only with every rank on one GPU "
-                           "and RINGREDUCE_TRANSPORT=p2p")
+    off = _off_one_gpu(cfg, transport, "oneshot", "the one-shot kernel")
+    if off is not None:
+        return off
     from ringreduce.core import settings
     default_max = settings()["oneshot_max_bytes"]
     forced = str(max(cfg.sizes))
-    return Impl(name, f"ringreduce.all_reduce with RINGREDUCE_ONESHOT_BYTES={forced}: the "
-                      f"one-shot kernel forced, above {common.format_size(default_max)} (below, "
-                      "ringreduce runs it anyway)",
+    return Impl(IMPL_NAMES["oneshot"],
+                f"ringreduce.all_reduce with RINGREDUCE_ONESHOT_BYTES={forced}: the one-shot "
+                f"kernel forced, above {common.format_size(default_max)} (below, ringreduce "
+                "runs it anyway)",
                 lambda ts: run_ringreduce(ts, cfg.op), environ={"RINGREDUCE_ONESHOT_BYTES": forced},
+                min_size=default_max + 1, below_min="one-shot by default")
+
+
+def forced_fused(cfg: Config, transport: str) -> Impl | Unavailable:
+    """ringreduce with RINGREDUCE_FUSED=1 (set only while it runs): the fused ring kernel, one
+    cooperative launch instead of 2(N-1) step kernels, at the sizes where ringreduce's own choice
+    is the ring. Each call waits for its kernel (the path checks the kernel's status), so its
+    time includes a host synchronisation that the other columns do not pay."""
+    off = _off_one_gpu(cfg, transport, "fused", "the fused ring kernel (one stream)")
+    if off is not None:
+        return off
+    from ringreduce.core import settings
+    default_max = settings()["oneshot_max_bytes"]
+    return Impl(IMPL_NAMES["fused"],
+                "ringreduce.all_reduce with RINGREDUCE_FUSED=1: the fused ring kernel "
+                f"(synchronous), above {common.format_size(default_max)} (below, the one-shot "
+                "runs)",
+                lambda ts: run_ringreduce(ts, cfg.op), environ={"RINGREDUCE_FUSED": "1"},
                 min_size=default_max + 1, below_min="one-shot by default")
 
 
@@ -938,12 +967,13 @@ def main(argv=None, out=None) -> int:
                           + (" (CPU ring)" if cfg.device == "cpu"
                              else f" (RINGREDUCE_TRANSPORT={transport})"),
                           lambda ts: run_ringreduce(ts, cfg.op)))
-    if "oneshot" in args.impls:
-        forced = forced_oneshot(cfg, transport)
-        if isinstance(forced, Impl):
-            impls.append(forced)
-        else:
-            unavailable[forced.name] = forced
+    for choice, make in (("oneshot", forced_oneshot), ("fused", forced_fused)):
+        if choice in args.impls:
+            forced = make(cfg, transport)
+            if isinstance(forced, Impl):
+                impls.append(forced)
+            else:
+                unavailable[forced.name] = forced
     nccl_info: dict = {"route": None, "reason": "not asked for (--impls)"}
     if "nccl" in args.impls:
         try:

@@ -2,8 +2,11 @@
 // modified, then hand raw pointers to the torch-free plans and executors in csrc/ring/.
 #include <torch/extension.h>
 
+#include <atomic>
 #include <cerrno>
 #include <cstdlib>
+#include <map>
+#include <mutex>
 #include <optional>
 #include <string>
 #include <vector>
@@ -259,6 +262,20 @@ int64_t oneshot_setting(const std::string& fn) {
   return bytes;
 }
 
+//   RINGREDUCE_FUSED: "1" runs an all-reduce that every rank runs on one stream of one GPU, with
+//     the p2p transport, above the one-shot's size and outside stream capture, as the fused ring
+//     kernel (fused_cuda.h: one cooperative launch instead of 2(N-1) step kernels, the ring's
+//     bits), synchronously: the call waits for the kernel and raises if it reported a failure.
+//     "0" or unset: the ring. Not the default until a GPU run shows it right and faster.
+bool fused_setting(const std::string& fn) {
+  const char* v = setting("RINGREDUCE_FUSED");
+  if (v == nullptr) return false;
+  const std::string value = v;
+  TORCH_CHECK_VALUE(value == "0" || value == "1", fn, ": RINGREDUCE_FUSED must be 0 (the ring) or "
+                    "1 (the fused ring kernel, synchronous); got '", value, "'");
+  return value == "1";
+}
+
 // RINGREDUCE_HALF_ROUNDING (rr::cpu::half_rounding_setting): how CPU float16 and bfloat16
 // sums and averages round. The CUDA paths round on every hop whatever it says, until a GPU run
 // checks a once-rounded kernel.
@@ -298,10 +315,62 @@ bool ran_once_rounded(const std::string& fn, const std::vector<at::Tensor>& rank
 // An all-reduce the one-shot kernel may run instead of the plan (oneshot_cuda.h): when every
 // rank runs on one stream of one device, with the p2p transport, and a rank's tensor holds at
 // most `max_bytes`.
+// `fused` (RINGREDUCE_FUSED): a larger one on that layout runs the fused ring kernel.
 struct OneShot {
   std::vector<void*> in, out;
   int64_t count, bytes, max_bytes;
+  bool fused = false;
 };
+
+// All-reduces the fused path has run in this process (_C.fused_calls, for tests: a check that
+// the path ran, not the ring beside it).
+std::atomic<int64_t> g_fused_calls{0};
+
+#ifdef RINGREDUCE_WITH_CUDA
+// The fused path (RINGREDUCE_FUSED): one flag buffer per device, used by one call at a time
+// (the mutex is held from the launch to the end of the synchronous check, so no call's kernel
+// is still running when the next one starts; any stream may then use the buffer). It only
+// grows: a larger one replaces it (the old one is idle, and freed through torch's allocator).
+// Its epochs count up from 1 (fused_cuda.h).
+void run_fused(const rr::cuda::Lane& lane, const OneShot& a, int nranks, rr::DType dtype,
+               rr::Op op, const std::string& fn) {
+  struct Flags {
+    at::Tensor buffer;
+    uint64_t epoch = 0;
+  };
+  static std::mutex mu;
+  // Never destroyed: freeing CUDA memory from a static destructor at exit would race the
+  // CUDA runtime's own teardown.
+  static auto* by_device = new std::map<int, Flags>();
+  std::lock_guard<std::mutex> lock(mu);
+  Flags& flags = (*by_device)[lane.device];
+  try {
+    const int64_t need = rr::fused_flags_bytes(
+        nranks, rr::cuda::fused_max_blocks_per_rank(nranks, dtype, op));
+    if (!flags.buffer.defined() || flags.buffer.numel() < need) {
+      const auto dev = static_cast<c10::DeviceIndex>(lane.device);
+      c10::cuda::CUDAStreamGuard on(c10::cuda::getStreamFromExternal(lane.stream, dev));
+      flags.buffer = at::Tensor();
+      flags.buffer = at::empty({need}, at::TensorOptions().dtype(at::kByte).device(at::kCUDA, dev));
+      rr::cuda::init_fused_flags(flags.buffer.data_ptr(), need, lane.stream);
+      flags.epoch = 0;
+    }
+    const int blocks = rr::cuda::fused_blocks_per_rank(0, nranks, a.count, dtype, op,
+                                                       flags.buffer.numel());
+    const uint64_t epoch = ++flags.epoch;
+    std::vector<const void*> in(a.in.begin(), a.in.end());
+    rr::cuda::launch_fused_all_reduce(in.data(), a.out.data(), nranks, a.count, dtype, op,
+                                      blocks, flags.buffer.data_ptr(), flags.buffer.numel(),
+                                      epoch, lane.stream);
+    rr::cuda::check_fused_all_reduce(flags.buffer.data_ptr(), epoch, lane.stream);
+    g_fused_calls.fetch_add(1, std::memory_order_relaxed);
+  } catch (const std::invalid_argument& e) {
+    TORCH_CHECK_VALUE(false, fn, " (RINGREDUCE_FUSED=1): ", e.what());
+  } catch (const std::exception& e) {
+    TORCH_CHECK(false, fn, " (RINGREDUCE_FUSED=1): ", e.what());
+  }
+}
+#endif
 
 std::vector<std::string> execute(const rr::Plan& plan, rr::DType dtype, rr::Op op,
                                  const std::vector<at::Tensor>& ranks,
@@ -386,6 +455,12 @@ std::vector<std::string> execute(const rr::Plan& plan, rr::DType dtype, rr::Op o
     bump_versions(written);
     return staged;
   }
+  if (oneshot != nullptr && oneshot->fused && lanes.size() == 1 && transport == "p2p" &&
+      !rr::cuda::check_capture(lanes.data(), 1, ranks[0].get_device())) {
+    run_fused(lanes[0], *oneshot, nranks, dtype, op, "ringreduce.all_reduce");
+    bump_versions(written);
+    return staged;
+  }
   // Staging buffers come from torch's caching allocator on the lane's own stream, the only
   // stream that touches them: released on return, they are reused only in that stream's order
   // (no host synchronisation, no growing raw allocation).
@@ -433,6 +508,7 @@ std::vector<std::string> all_reduce(const std::vector<at::Tensor>& tensors,
   const std::vector<at::Tensor> outputs = in_place ? std::vector<at::Tensor>() : *outputs_arg;
   const std::string transport = transport_setting(fn);
   const int64_t oneshot_max_bytes = oneshot_setting(fn);
+  const bool fused = fused_setting(fn);
   check_ranks(fn, "tensors", tensors, in_place);
   const rr::DType dtype = rr::dtype_of(tensors[0], fn, "tensors");
   const rr::Op op = rr::op_for(op_name, dtype, fn);
@@ -461,7 +537,7 @@ std::vector<std::string> all_reduce(const std::vector<at::Tensor>& tensors,
   const rr::Plan plan = rr::all_reduce_plan(in_ptrs.data(), out_ptrs.data(), int(tensors.size()),
                                             tensors[0].numel(), tensors[0].element_size());
   const OneShot oneshot{in_ptrs, out_ptrs, tensors[0].numel(),
-                        tensors[0].numel() * tensors[0].element_size(), oneshot_max_bytes};
+                        tensors[0].numel() * tensors[0].element_size(), oneshot_max_bytes, fused};
   return execute(plan, dtype, op, tensors, concat(tensors, outputs), out, streams, transport,
                  &oneshot);
 }
@@ -604,10 +680,11 @@ std::vector<std::string> reduce_scatter(const std::vector<at::Tensor>& inputs,
                  streams, transport);
 }
 
-// Test and measurement hook for the fused ring kernel (fused_cuda.h), not yet a path of
-// all_reduce: in-place all-reduce of `tensors` (one CUDA device, contiguous, same dtype and size)
-// on the device's current stream with `blocks_per_rank` blocks a rank (0: the suggested count,
-// capped by what `flags` holds: rr::fused_blocks_per_rank in launch.h), the caller's zeroed
+// Test and measurement hook for the fused ring kernel (fused_cuda.h), beside the path of
+// all_reduce that RINGREDUCE_FUSED=1 selects: in-place all-reduce of `tensors` (one CUDA
+// device, contiguous, same dtype and size) on the device's current stream with
+// `blocks_per_rank` blocks a rank (0: the suggested count, capped by what `flags` holds:
+// rr::fused_blocks_per_rank in launch.h), the caller's zeroed
 // uint8 `flags` tensor on that device and an `epoch` greater than every earlier one on it.
 // Synchronises and raises if the kernel reported a failure. Returns the blocks per rank it used.
 int64_t fused_all_reduce(const std::vector<at::Tensor>& tensors, const std::string& op_name,
@@ -712,6 +789,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     pybind11::dict d;
     d["transport"] = transport_setting("ringreduce.settings");
     d["oneshot_max_bytes"] = oneshot_setting("ringreduce.settings");
+    d["fused"] = fused_setting("ringreduce.settings");
     d["half_rounding"] = rr::cpu::half_rounding_name(half_rounding_setting("ringreduce.settings"));
     return d;
   });
@@ -720,6 +798,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         pybind11::arg("blocks_per_rank"), pybind11::arg("flags"), pybind11::arg("epoch"),
         pybind11::arg("timeout_s") = 10.0);
   m.def("fused_flags_bytes", &rr::fused_flags_bytes);
+  m.def("fused_calls", [] { return g_fused_calls.load(std::memory_order_relaxed); },
+        "All-reduces the fused path (RINGREDUCE_FUSED=1) has run in this process.");
   m.def("build_info", &build_info);
   // For tests: the float sum loops that ran last in this process (cpu_executor.h).
   m.def("cpu_simd_ran", []() -> pybind11::object {

@@ -101,9 +101,10 @@ ONESHOT_DEFAULT_BYTES = _C.ONESHOT_DEFAULT_BYTES
 def settings():
     """The environment's settings as the next call reads them: ``transport``
     (``RINGREDUCE_TRANSPORT``, default ``p2p``), ``oneshot_max_bytes``
-    (``RINGREDUCE_ONESHOT_BYTES``, default 65536) and ``half_rounding``
+    (``RINGREDUCE_ONESHOT_BYTES``, default 65536), ``half_rounding``
     (``RINGREDUCE_HALF_ROUNDING``, default ``once``: CPU float16 / bfloat16 sums rounded once;
-    ``per_hop``: on every ring hop). Raises ValueError on a bad value."""
+    ``per_hop``: on every ring hop) and ``fused`` (``RINGREDUCE_FUSED=1``: the fused ring kernel,
+    experimental; default off). Raises ValueError on a bad value."""
     return dict(_C.settings())
 
 
@@ -139,6 +140,10 @@ def all_reduce(tensors, op="sum", *, outputs=None, streams=None, comms=None):
     When every rank runs on one stream of one GPU (simulated ranks) and a tensor holds at most
     ``RINGREDUCE_ONESHOT_BYTES`` (default 65536; 0 turns it off), one kernel reduces every
     element over all ranks in the ring's order instead of 2(N-1) ring steps: the same bits.
+    Above that size ``RINGREDUCE_FUSED=1`` (experimental, off by default) runs the ring as one
+    cooperative kernel instead of 2(N-1) step kernels, with the ring's bits; that call is
+    synchronous (it waits for the kernel and raises if the kernel reported a failure) and is
+    not taken under CUDA-graph capture (the ring is).
     """
     if isinstance(op, (list, tuple)):
         raise TypeError(

@@ -144,6 +144,7 @@ sweep() {
   done
   RINGREDUCE_ONESHOT_BYTES=0 python3 bench/ring.py --graph --json "$out/ring-only.json" ||
     return 1
+  python3 bench/ring.py --impls ringreduce,fused --json "$out/fused.json" || return 1
   RINGREDUCE_TRANSPORT=copy python3 bench/ring.py --json "$out/copy.json"
 }
 # left: the seconds left of this phase (PHASE_CAP, exported by run; SECONDS counts from the

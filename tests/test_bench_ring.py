@@ -573,6 +573,22 @@ def test_forced_oneshot_column_on_one_gpu():
     assert isinstance(ring.forced_oneshot(cpu, "p2p"), ring.Unavailable)
 
 
+def test_fused_column_on_one_gpu():
+    """RINGREDUCE_FUSED=1 only while the column runs, only at the sizes where ringreduce's own
+    choice is the ring; unavailable where ranks are not on one GPU or the transport is copy."""
+    cfg = _shared_gpu_config()
+    cfg.sizes = common.doubling_sizes(8, 256 * common.MiB, 4)
+    impl = ring.forced_fused(cfg, "p2p")
+    assert impl.name == "ringreduce-fused" and impl.name in ring.OPTIONAL_IMPLS
+    assert impl.environ == {"RINGREDUCE_FUSED": "1"}
+    assert impl.min_size == ringreduce.settings()["oneshot_max_bytes"] + 1
+    assert isinstance(ring.forced_fused(cfg, "copy"), ring.Unavailable)
+    cpu = ring.make_config(*_parsed([*TINY]))
+    assert isinstance(ring.forced_fused(cpu, "p2p"), ring.Unavailable)
+    _, args = _parsed([*TINY, "--impls", "fused,ringreduce"])
+    assert args.impls == ["ringreduce", "fused"]
+
+
 def _parsed(argv):
     parser, args = ring.parse_args(argv)
     return parser, args

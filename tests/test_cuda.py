@@ -321,8 +321,9 @@ def test_collectives_reject_outputs_on_another_device_before_modification():
         assert torch.equal(t, b)
 
 
-# The fused ring kernel (csrc/ring/fused_cuda.h) through its test hook: not yet a path of
-# all_reduce; these runs decide whether it becomes one.
+# The fused ring kernel (csrc/ring/fused_cuda.h) through its test hook, and as the path of
+# all_reduce that RINGREDUCE_FUSED=1 selects (not the default); these runs decide whether it
+# becomes the default.
 # tests/test_launch_geometry.py checks on the CPU, for the capacities of real GPUs, that the
 # block counts these parameters lead to fit the flag buffer and the device.
 FUSED_CASES = [(torch.float32, "sum"), (torch.float16, "avg"), (torch.bfloat16, "max"),
@@ -354,6 +355,71 @@ def test_fused_kernel_gives_the_ring_bits(dtype, op, nranks):
             want = ring_model(inputs, op, "per_hop").view(torch.uint8)
             for r, t in enumerate(tensors):
                 assert torch.equal(t.cpu().view(torch.uint8), want), (count, blocks, r)
+
+
+@pytest.mark.parametrize("dtype,op", FUSED_CASES, ids=lambda v: str(v).replace("torch.", ""))
+@pytest.mark.parametrize("nranks", [2, 3, 4])
+def test_fused_path_of_all_reduce_gives_the_ring_bits(dtype, op, nranks, monkeypatch):
+    """RINGREDUCE_FUSED=1 with the one-shot off: every all_reduce on one stream of one GPU runs
+    the fused kernel (counted by _C.fused_calls, so the ring beside it cannot pass for it), in
+    place and into poisoned outputs, with the ring model's bits; the inputs of the out-of-place
+    call stay unchanged. Without the setting the fused path does not run."""
+    from ringreduce import _C
+    seed = nranks * 131 + len(op)
+    print(f"seed {seed}")
+    g = torch.Generator().manual_seed(seed)
+    monkeypatch.setenv("RINGREDUCE_ONESHOT_BYTES", "0")
+    for count in (1, 33, 4099, (1 << 18) + 5):
+        inputs = random_inputs(nranks, count, dtype, op, generator=g)
+        want = ring_model(inputs, op, "per_hop").view(torch.uint8)
+        monkeypatch.setenv("RINGREDUCE_FUSED", "1")
+        tensors = [x.cuda() for x in inputs]
+        before = _C.fused_calls()
+        ringreduce.all_reduce(tensors, op)
+        assert _C.fused_calls() == before + 1, count
+        for r, t in enumerate(tensors):
+            assert torch.equal(t.cpu().view(torch.uint8), want), (count, r)
+        sources = [x.cuda() for x in inputs]
+        outputs = [torch.empty_like(t) for t in sources]
+        for o in outputs:
+            o.view(torch.uint8).fill_(0x5A)
+        ringreduce.all_reduce(sources, op, outputs=outputs)
+        assert _C.fused_calls() == before + 2, count
+        for r, (src, o) in enumerate(zip(sources, outputs)):
+            assert torch.equal(o.cpu().view(torch.uint8), want), (count, r)
+            assert torch.equal(src.cpu(), inputs[r]), (count, r)
+        monkeypatch.delenv("RINGREDUCE_FUSED")
+        ringreduce.all_reduce([x.cuda() for x in inputs], op)
+        assert _C.fused_calls() == before + 2, count
+
+
+def test_fused_path_stays_out_of_capture_and_of_several_streams(monkeypatch):
+    """RINGREDUCE_FUSED=1: a captured call (the fused path synchronises) and a call over two
+    streams take the ring, with its bits."""
+    from ringreduce import _C
+    monkeypatch.setenv("RINGREDUCE_FUSED", "1")
+    monkeypatch.setenv("RINGREDUCE_ONESHOT_BYTES", "0")
+    g = torch.Generator().manual_seed(4646)
+    inputs = random_inputs(3, 4099, torch.float32, "sum", generator=g)
+    want = ring_model(inputs, "sum", "per_hop")
+    tensors = [x.cuda() for x in inputs]
+    before = _C.fused_calls()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        ringreduce.all_reduce(tensors)
+    for t, x in zip(tensors, inputs):
+        t.copy_(x)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert all(torch.equal(t.cpu(), want) for t in tensors)
+    streams = [torch.cuda.Stream(), torch.cuda.Stream(), None]
+    tensors = [x.cuda() for x in inputs]
+    torch.cuda.synchronize()
+    ringreduce.all_reduce(tensors, streams=streams)
+    torch.cuda.synchronize()
+    assert all(torch.equal(t.cpu(), want) for t in tensors)
+    assert _C.fused_calls() == before
 
 
 def test_fused_kernel_refuses_too_many_blocks_and_stale_epochs():

@@ -422,26 +422,47 @@ def test_bad_streams():
                       ValueError, r"streams\[1\] is given but tensors\[1\] is on cpu")
 
 
-@pytest.mark.parametrize("value", ["-1", "64k", "1.5"])
-def test_bad_oneshot_threshold(value, monkeypatch):
+@pytest.mark.parametrize("name,value,message", [
+    ("RINGREDUCE_ONESHOT_BYTES", "-1", "RINGREDUCE_ONESHOT_BYTES must be a whole number of bytes"),
+    ("RINGREDUCE_ONESHOT_BYTES", "64k", "RINGREDUCE_ONESHOT_BYTES must be a whole number of bytes"),
+    ("RINGREDUCE_ONESHOT_BYTES", "1.5", "RINGREDUCE_ONESHOT_BYTES must be a whole number of bytes"),
+    ("RINGREDUCE_FUSED", "2", "RINGREDUCE_FUSED must be 0"),
+    ("RINGREDUCE_FUSED", "yes", "RINGREDUCE_FUSED must be 0"),
+    ("RINGREDUCE_FUSED", "true", "RINGREDUCE_FUSED must be 0")])
+def test_bad_path_settings(name, value, message, monkeypatch):
     ins = _ranks()
-    monkeypatch.setenv("RINGREDUCE_ONESHOT_BYTES", value)
-    _raises_untouched(lambda: ringreduce.all_reduce(ins), ins, ValueError,
-                      "RINGREDUCE_ONESHOT_BYTES must be a whole number of bytes >= 0")
+    monkeypatch.setenv(name, value)
+    _raises_untouched(lambda: ringreduce.all_reduce(ins), ins, ValueError, message)
+
+
+def test_fused_setting_leaves_cpu_tensors_on_the_cpu_path(monkeypatch):
+    """RINGREDUCE_FUSED=1 concerns CUDA tensors on one stream of one GPU only: CPU tensors still
+    get the CPU path's result (exact integer sums), and the fused path does not run."""
+    g = torch.Generator().manual_seed(46)
+    print("seed 46")
+    ins = [torch.randint(-99, 99, (1001,), generator=g, dtype=torch.int64) for _ in range(3)]
+    expect = ins[0] + ins[1] + ins[2]
+    before = ringreduce._C.fused_calls()
+    monkeypatch.setenv("RINGREDUCE_FUSED", "1")
+    ringreduce.all_reduce(ins)
+    assert all(torch.equal(t, expect) for t in ins)
+    assert ringreduce._C.fused_calls() == before
 
 
 def test_settings_follow_the_environment_at_each_call(monkeypatch):
     monkeypatch.delenv("RINGREDUCE_TRANSPORT", raising=False)
     monkeypatch.delenv("RINGREDUCE_ONESHOT_BYTES", raising=False)
     monkeypatch.delenv("RINGREDUCE_HALF_ROUNDING", raising=False)
+    monkeypatch.delenv("RINGREDUCE_FUSED", raising=False)
     assert ringreduce.settings() == {"transport": "p2p",
                                      "oneshot_max_bytes": ringreduce.core.ONESHOT_DEFAULT_BYTES,
-                                     "half_rounding": "once"}
+                                     "half_rounding": "once", "fused": False}
     monkeypatch.setenv("RINGREDUCE_TRANSPORT", "copy")
     monkeypatch.setenv("RINGREDUCE_ONESHOT_BYTES", "0")
     monkeypatch.setenv("RINGREDUCE_HALF_ROUNDING", "per_hop")
+    monkeypatch.setenv("RINGREDUCE_FUSED", "1")
     assert ringreduce.settings() == {"transport": "copy", "oneshot_max_bytes": 0,
-                                     "half_rounding": "per_hop"}
+                                     "half_rounding": "per_hop", "fused": True}
     monkeypatch.setenv("RINGREDUCE_TRANSPORT", "")  # empty is unset
     assert ringreduce.settings()["transport"] == "p2p"
     monkeypatch.setenv("RINGREDUCE_TRANSPORT", "ib")

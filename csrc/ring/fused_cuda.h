@@ -1,5 +1,6 @@
 // The ring all-reduce as one cooperative CUDA kernel whose blocks order the ring's steps with
-// flags (fused.h). Torch-free. Not yet wired into the bindings; measured on no GPU so far.
+// flags (fused.h). Torch-free. A path of ringreduce.all_reduce behind RINGREDUCE_FUSED=1
+// (bindings.cpp run_fused), off by default; measured on no GPU so far.
 #pragma once
 
 #include <cuda_runtime.h>

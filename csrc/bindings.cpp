@@ -13,6 +13,7 @@
 
 #include "ring/cpu_executor.h"
 #include "ring/fused.h"
+#include "ring/oneshot.h"
 #include "ring/plan.h"
 #include "ring/types.h"
 #include "torch_types.h"
@@ -276,6 +277,20 @@ bool fused_setting(const std::string& fn) {
   return value == "1";
 }
 
+//   RINGREDUCE_CUDA_HALF_ROUNDING: "per_hop" (the default, the ring's bits) or "once": a float16
+//     or bfloat16 sum or average over two ranks or more that every rank runs on one stream of
+//     one GPU, with the p2p transport, runs the once-rounded one-shot kernel at every size
+//     (oneshot.h oneshot_once_thread: the CPU paths' bits). Not the default until a GPU run
+//     shows it right.
+bool cuda_half_once_setting(const std::string& fn) {
+  const char* v = setting("RINGREDUCE_CUDA_HALF_ROUNDING");
+  if (v == nullptr) return false;
+  const std::string value = v;
+  TORCH_CHECK_VALUE(value == "per_hop" || value == "once", fn, ": RINGREDUCE_CUDA_HALF_ROUNDING "
+                    "must be 'per_hop' (the default) or 'once'; got '", value, "'");
+  return value == "once";
+}
+
 // RINGREDUCE_HALF_ROUNDING (rr::cpu::half_rounding_setting): how CPU float16 and bfloat16
 // sums and averages round. The CUDA paths round on every hop whatever it says, until a GPU run
 // checks a once-rounded kernel.
@@ -315,11 +330,14 @@ bool ran_once_rounded(const std::string& fn, const std::vector<at::Tensor>& rank
 // An all-reduce the one-shot kernel may run instead of the plan (oneshot_cuda.h): when every
 // rank runs on one stream of one device, with the p2p transport, and a rank's tensor holds at
 // most `max_bytes`.
-// `fused` (RINGREDUCE_FUSED): a larger one on that layout runs the fused ring kernel.
+// `fused` (RINGREDUCE_FUSED): a larger one on that layout runs the fused ring kernel. `once`
+// (RINGREDUCE_CUDA_HALF_ROUNDING=once, float16 / bfloat16 sum or avg, two ranks or more): the
+// once-rounded one-shot runs at every size on that layout.
 struct OneShot {
   std::vector<void*> in, out;
   int64_t count, bytes, max_bytes;
   bool fused = false;
+  bool once = false;
 };
 
 // All-reduces the fused path has run in this process (_C.fused_calls, for tests: a check that
@@ -447,11 +465,12 @@ std::vector<std::string> execute(const rr::Plan& plan, rr::DType dtype, rr::Op o
     }
   }
   if (oneshot != nullptr && lanes.size() == 1 && transport == "p2p" &&
-      oneshot->bytes <= oneshot->max_bytes) {
-    // One kernel instead of 2(N-1) ring steps, with the ring's bits; capturable, except on the
-    // legacy default stream while another stream captures, which check_capture refuses.
+      (oneshot->once || oneshot->bytes <= oneshot->max_bytes)) {
+    // One kernel instead of 2(N-1) ring steps, with the ring's bits (or, `once`, the CPU
+    // paths' once-rounded bits); capturable, except on the legacy default stream while another
+    // stream captures, which check_capture refuses.
     rr::cuda::run_oneshot(lanes[0], oneshot->in.data(), oneshot->out.data(), nranks,
-                          oneshot->count, dtype, op);
+                          oneshot->count, dtype, op, oneshot->once);
     bump_versions(written);
     return staged;
   }
@@ -509,6 +528,7 @@ std::vector<std::string> all_reduce(const std::vector<at::Tensor>& tensors,
   const std::string transport = transport_setting(fn);
   const int64_t oneshot_max_bytes = oneshot_setting(fn);
   const bool fused = fused_setting(fn);
+  const bool cuda_half_once = cuda_half_once_setting(fn);
   check_ranks(fn, "tensors", tensors, in_place);
   const rr::DType dtype = rr::dtype_of(tensors[0], fn, "tensors");
   const rr::Op op = rr::op_for(op_name, dtype, fn);
@@ -536,8 +556,10 @@ std::vector<std::string> all_reduce(const std::vector<at::Tensor>& tensors,
   }
   const rr::Plan plan = rr::all_reduce_plan(in_ptrs.data(), out_ptrs.data(), int(tensors.size()),
                                             tensors[0].numel(), tensors[0].element_size());
+  const bool once = cuda_half_once && tensors.size() >= 2 && rr::oneshot_rounds_once(dtype, op);
   const OneShot oneshot{in_ptrs, out_ptrs, tensors[0].numel(),
-                        tensors[0].numel() * tensors[0].element_size(), oneshot_max_bytes, fused};
+                        tensors[0].numel() * tensors[0].element_size(), oneshot_max_bytes, fused,
+                        once};
   return execute(plan, dtype, op, tensors, concat(tensors, outputs), out, streams, transport,
                  &oneshot);
 }
@@ -790,6 +812,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     d["transport"] = transport_setting("ringreduce.settings");
     d["oneshot_max_bytes"] = oneshot_setting("ringreduce.settings");
     d["fused"] = fused_setting("ringreduce.settings");
+    d["cuda_half_rounding"] = cuda_half_once_setting("ringreduce.settings") ? "once" : "per_hop";
     d["half_rounding"] = rr::cpu::half_rounding_name(half_rounding_setting("ringreduce.settings"));
     return d;
   });

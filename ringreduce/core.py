@@ -103,8 +103,10 @@ def settings():
     (``RINGREDUCE_TRANSPORT``, default ``p2p``), ``oneshot_max_bytes``
     (``RINGREDUCE_ONESHOT_BYTES``, default 65536), ``half_rounding``
     (``RINGREDUCE_HALF_ROUNDING``, default ``once``: CPU float16 / bfloat16 sums rounded once;
-    ``per_hop``: on every ring hop) and ``fused`` (``RINGREDUCE_FUSED=1``: the fused ring kernel,
-    experimental; default off). Raises ValueError on a bad value."""
+    ``per_hop``: on every ring hop), ``fused`` (``RINGREDUCE_FUSED=1``: the fused ring kernel,
+    experimental; default off) and ``cuda_half_rounding`` (``RINGREDUCE_CUDA_HALF_ROUNDING``,
+    default ``per_hop``; ``once``, experimental: CUDA float16 / bfloat16 sums on one stream of
+    one GPU rounded once, as on CPU). Raises ValueError on a bad value."""
     return dict(_C.settings())
 
 

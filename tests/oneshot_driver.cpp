@@ -114,7 +114,25 @@ void run_kernel_body(const OneshotArgs& a, int64_t threads, DType dtype, Op op) 
   RR_DISPATCH(dtype, op, run_threads<T, kOp>(a, threads));
 }
 
-void run_case(DType dtype, Op op, int n, int64_t count, Values& values, Report& report) {
+template <typename T, Op op>
+void run_once_threads(const OneshotArgs& a, int64_t threads) {
+  for (int64_t t = 0; t < threads; ++t) oneshot_once_thread<T, op>(a, t, threads);
+}
+
+// The once-rounded kernel body (float16 / bfloat16 sum and avg) over a grid of `threads`.
+void run_once_body(const OneshotArgs& a, int64_t threads, DType dtype, Op op) {
+  const bool avg = op == Op::Avg;
+  if (dtype == DType::F16) {
+    avg ? run_once_threads<half_bits, Op::Avg>(a, threads)
+        : run_once_threads<half_bits, Op::Sum>(a, threads);
+  } else {
+    avg ? run_once_threads<bf16_bits, Op::Avg>(a, threads)
+        : run_once_threads<bf16_bits, Op::Sum>(a, threads);
+  }
+}
+
+void run_case(DType dtype, Op op, int n, int64_t count, Values& values, Report& report,
+              Report& once_report) {
   const int64_t esize = elem_size(dtype);
   const int64_t bytes = count * esize;
   std::vector<Buf> input;
@@ -194,6 +212,32 @@ void run_case(DType dtype, Op op, int n, int64_t count, Values& values, Report& 
               inplace ? kin : kout, ring);
     if (!inplace) check_all("kernel body input unchanged", kin, input);
   }
+
+  // The once-rounded kernel body against the CPU paths' once-rounded sum (cpu_executor.cpp:
+  // rr::cpu::all_reduce_once, itself checked against a float64 model in
+  // tests/test_half_rounding.py), on the same layouts and grid; two ranks or more, as the
+  // bindings use it (one rank is a copy).
+  if (!oneshot_rounds_once(dtype, op) || n < 2 || count == 0) return;
+  std::vector<Buf> once = copies(0);
+  std::vector<void*> po = ptrs(once);
+  cpu::all_reduce_once(po.data(), po.data(), n, count, dtype, op);
+  for (const bool inplace : {true, false}) {
+    std::vector<Buf> kin = copies_at(in_off), kout = copies_at(out_off);
+    for (Buf& b : kout) std::memset(b.data, 0x5A, size_t(bytes));
+    std::vector<void*> kpin = ptrs(kin), kpout = ptrs(kout);
+    const OneshotArgs a =
+        make_oneshot_args(kpin.data(), inplace ? kpin.data() : kpout.data(), n, count);
+    run_once_body(a, threads, dtype, op);
+    std::vector<Buf>& got = inplace ? kin : kout;
+    for (int r = 0; r < n; ++r) {
+      once_report.check(inplace ? "once body in place" : "once body out of place", op, n, count,
+                        r, got[size_t(r)].data, once[0].data);
+      if (!inplace) {
+        once_report.check("once body input unchanged", op, n, count, r, kin[size_t(r)].data,
+                          input[size_t(r)].data);
+      }
+    }
+  }
 }
 
 }  // namespace
@@ -220,13 +264,13 @@ int main(int argc, char** argv) {
   int64_t total = chunk_errors;
   for (Op op : kOps) {
     if (!op_supported(op, *dtype)) continue;
-    Report report{*dtype};
+    Report report{*dtype}, once_report{*dtype};
     int64_t case_index = 0;
     for (int n : kRanks) {
       for (int64_t count : kSizes) {
         Values values{std::mt19937_64(seed * 1000003u + uint64_t(case_index)), 0};
         values.mode = int(values.rng() % 3);
-        run_case(*dtype, op, n, count, values, report);
+        run_case(*dtype, op, n, count, values, report, once_report);
         ++case_index;
       }
     }
@@ -236,6 +280,12 @@ int main(int argc, char** argv) {
                 (long long)report.layouts[0], (long long)report.layouts[1],
                 (long long)report.layouts[2]);
     total += report.mismatches;
+    if (oneshot_rounds_once(*dtype, op)) {
+      std::printf("once op=%s cases=%lld mismatches=%lld nan_payloads=%lld\n", op_name(op),
+                  (long long)once_report.cases, (long long)once_report.mismatches,
+                  (long long)once_report.nan_payloads);
+      total += once_report.mismatches;
+    }
   }
   return total == 0 ? 0 : 1;
 }

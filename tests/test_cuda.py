@@ -8,8 +8,8 @@ import torch
 
 import ringreduce
 from checks import check_copying_collectives, check_reducing_collectives, needs_cuda
-from reference import (ALL_DTYPES, assert_close_to_wide, random_inputs, ring_model,
-                       valid_ops)
+from reference import (ALL_DTYPES, assert_close_to_wide, once_rounded_model, random_inputs,
+                       ring_model, valid_ops)
 
 # Skips without a GPU or a CUDA build; fails instead under RINGREDUCE_REQUIRE_CUDA=1.
 pytestmark = needs_cuda
@@ -357,6 +357,24 @@ def test_fused_kernel_gives_the_ring_bits(dtype, op, nranks):
                 assert torch.equal(t.cpu().view(torch.uint8), want), (count, blocks, r)
 
 
+def _in_place_and_into_poison(inputs, op, want, label):
+    """Two CUDA all_reduces of the CPU tensors `inputs`: in place, then into outputs filled with
+    0x5A bytes; every rank's result must have the bytes `want` and the second call's inputs
+    must stay unchanged."""
+    tensors = [x.cuda() for x in inputs]
+    ringreduce.all_reduce(tensors, op)
+    for r, t in enumerate(tensors):
+        assert torch.equal(t.cpu().view(torch.uint8), want), (label, r)
+    sources = [x.cuda() for x in inputs]
+    outputs = [torch.empty_like(t) for t in sources]
+    for o in outputs:
+        o.view(torch.uint8).fill_(0x5A)
+    ringreduce.all_reduce(sources, op, outputs=outputs)
+    for r, (src, o) in enumerate(zip(sources, outputs)):
+        assert torch.equal(o.cpu().view(torch.uint8), want), (label, r)
+        assert torch.equal(src.cpu(), inputs[r]), (label, r)
+
+
 @pytest.mark.parametrize("dtype,op", FUSED_CASES, ids=lambda v: str(v).replace("torch.", ""))
 @pytest.mark.parametrize("nranks", [2, 3, 4])
 def test_fused_path_of_all_reduce_gives_the_ring_bits(dtype, op, nranks, monkeypatch):
@@ -373,21 +391,9 @@ def test_fused_path_of_all_reduce_gives_the_ring_bits(dtype, op, nranks, monkeyp
         inputs = random_inputs(nranks, count, dtype, op, generator=g)
         want = ring_model(inputs, op, "per_hop").view(torch.uint8)
         monkeypatch.setenv("RINGREDUCE_FUSED", "1")
-        tensors = [x.cuda() for x in inputs]
         before = _C.fused_calls()
-        ringreduce.all_reduce(tensors, op)
-        assert _C.fused_calls() == before + 1, count
-        for r, t in enumerate(tensors):
-            assert torch.equal(t.cpu().view(torch.uint8), want), (count, r)
-        sources = [x.cuda() for x in inputs]
-        outputs = [torch.empty_like(t) for t in sources]
-        for o in outputs:
-            o.view(torch.uint8).fill_(0x5A)
-        ringreduce.all_reduce(sources, op, outputs=outputs)
+        _in_place_and_into_poison(inputs, op, want, count)
         assert _C.fused_calls() == before + 2, count
-        for r, (src, o) in enumerate(zip(sources, outputs)):
-            assert torch.equal(o.cpu().view(torch.uint8), want), (count, r)
-            assert torch.equal(src.cpu(), inputs[r]), (count, r)
         monkeypatch.delenv("RINGREDUCE_FUSED")
         ringreduce.all_reduce([x.cuda() for x in inputs], op)
         assert _C.fused_calls() == before + 2, count
@@ -420,6 +426,34 @@ def test_fused_path_stays_out_of_capture_and_of_several_streams(monkeypatch):
     torch.cuda.synchronize()
     assert all(torch.equal(t.cpu(), want) for t in tensors)
     assert _C.fused_calls() == before
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16],
+                         ids=lambda v: str(v).replace("torch.", ""))
+@pytest.mark.parametrize("op", ["sum", "avg"])
+@pytest.mark.parametrize("nranks", [2, 3, 4, 7])
+def test_cuda_half_rounding_once_gives_the_cpu_bits(dtype, op, nranks, monkeypatch):
+    """RINGREDUCE_CUDA_HALF_ROUNDING=once: float16 / bfloat16 sums and averages on one stream of
+    one GPU, at one-shot and ring sizes, give once_rounded_model's bits (the fp32 sum in rank
+    order, rounded once) and the CPU path's, in place and into poisoned outputs. From 3 ranks
+    the per-hop ring's bits differ somewhere on these inputs, so the once-rounded kernel, not
+    the ring, gave them."""
+    seed = 4747 + nranks * 10 + len(op)
+    print(f"seed {seed}")
+    g = torch.Generator().manual_seed(seed)
+    monkeypatch.setenv("RINGREDUCE_CUDA_HALF_ROUNDING", "once")
+    monkeypatch.delenv("RINGREDUCE_HALF_ROUNDING", raising=False)  # the CPU's default: once
+    differs = False
+    for count in (1, 33, 4099, (1 << 18) + 5):
+        inputs = random_inputs(nranks, count, dtype, op, generator=g)
+        want = once_rounded_model(inputs, op).view(torch.uint8)
+        on_cpu = [x.clone() for x in inputs]
+        ringreduce.all_reduce(on_cpu, op)
+        assert torch.equal(on_cpu[0].view(torch.uint8), want), count
+        differs = differs or not torch.equal(ring_model(inputs, op, "per_hop").view(torch.uint8),
+                                             want)
+        _in_place_and_into_poison(inputs, op, want, count)
+    assert differs or nranks == 2, "the per-hop ring gave the once-rounded bits everywhere"
 
 
 def test_fused_kernel_refuses_too_many_blocks_and_stale_epochs():

@@ -35,6 +35,15 @@ PINNED = {
                 cudaDeviceGetAttribute=1, cudaLaunchKernel=1,
                 cudaOccupancyMaxActiveBlocksPerMultiprocessor=1, cudaStreamIsCapturing=1),
     },
+    # RINGREDUCE_CUDA_HALF_ROUNDING=once: the once-rounded kernel, bfloat16 sums; its bytes are
+    # checked against rr::cpu::all_reduce_once. Its first call asks for its own kernel's
+    # occupancy; the device's SM count is known from the oneshot path's.
+    "oneshot_once": {
+        2: dict(launches=1, param_bytes=1064, allocations=0,
+                cudaLaunchKernel=1, cudaStreamIsCapturing=1),
+        0: dict(launches=1, param_bytes=1064, allocations=1, cudaLaunchKernel=1,
+                cudaOccupancyMaxActiveBlocksPerMultiprocessor=1, cudaStreamIsCapturing=1),
+    },
     "ring": {
         2: dict(launches=6, param_bytes=1584, allocations=0,
                 cudaLaunchKernel=6, cudaStreamIsCapturing=1),

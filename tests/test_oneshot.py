@@ -6,7 +6,9 @@ and out of place: rr::cpu::all_reduce_oneshot and the CUDA kernel's per-thread b
 host for every thread of a simulated grid: every rank 16-byte aligned (packs), every rank off
 (elements), and a mix, where the aligned ranks keep their 16-byte packs and only the others go
 lane by lane) against rr::cpu::all_reduce byte for byte. Only NaN payloads may differ, and only
-where two NaNs met in a sum, average or product (see the driver). The GPU's own arithmetic needs a GPU.
+where two NaNs met in a sum, average or product (see the driver). For float16 and bfloat16 sum
+and avg the once-rounded body (oneshot_once_thread) runs on the same layouts against
+rr::cpu::all_reduce_once. The GPU's own arithmetic needs a GPU.
 """
 import os
 import re
@@ -50,3 +52,9 @@ def test_oneshot_matches_the_ring(driver, dtype):
     for op, cases, mismatches, *layouts in found:
         assert int(cases) > 10000 and mismatches == "0", (op, proc.stdout)
         assert all(int(k) > 0 for k in layouts), (op, "a buffer layout never ran", proc.stdout)
+    # float16 / bfloat16 sum and avg: the once-rounded body against rr::cpu::all_reduce_once.
+    once = re.findall(r"once op=(\w+) cases=(\d+) mismatches=(\d+)", proc.stdout)
+    assert [op for op, *_ in once] == (["sum", "avg"] if dtype in ("float16", "bfloat16")
+                                       else []), proc.stdout
+    for op, cases, mismatches in once:
+        assert int(cases) > 5000 and mismatches == "0", (op, proc.stdout)

@@ -428,7 +428,9 @@ def test_bad_streams():
     ("RINGREDUCE_ONESHOT_BYTES", "1.5", "RINGREDUCE_ONESHOT_BYTES must be a whole number of bytes"),
     ("RINGREDUCE_FUSED", "2", "RINGREDUCE_FUSED must be 0"),
     ("RINGREDUCE_FUSED", "yes", "RINGREDUCE_FUSED must be 0"),
-    ("RINGREDUCE_FUSED", "true", "RINGREDUCE_FUSED must be 0")])
+    ("RINGREDUCE_FUSED", "true", "RINGREDUCE_FUSED must be 0"),
+    ("RINGREDUCE_CUDA_HALF_ROUNDING", "1", "RINGREDUCE_CUDA_HALF_ROUNDING must be 'per_hop'"),
+    ("RINGREDUCE_CUDA_HALF_ROUNDING", "ONCE", "RINGREDUCE_CUDA_HALF_ROUNDING must be 'per_hop'")])
 def test_bad_path_settings(name, value, message, monkeypatch):
     ins = _ranks()
     monkeypatch.setenv(name, value)
@@ -454,15 +456,19 @@ def test_settings_follow_the_environment_at_each_call(monkeypatch):
     monkeypatch.delenv("RINGREDUCE_ONESHOT_BYTES", raising=False)
     monkeypatch.delenv("RINGREDUCE_HALF_ROUNDING", raising=False)
     monkeypatch.delenv("RINGREDUCE_FUSED", raising=False)
+    monkeypatch.delenv("RINGREDUCE_CUDA_HALF_ROUNDING", raising=False)
     assert ringreduce.settings() == {"transport": "p2p",
                                      "oneshot_max_bytes": ringreduce.core.ONESHOT_DEFAULT_BYTES,
-                                     "half_rounding": "once", "fused": False}
+                                     "half_rounding": "once", "fused": False,
+                                     "cuda_half_rounding": "per_hop"}
     monkeypatch.setenv("RINGREDUCE_TRANSPORT", "copy")
     monkeypatch.setenv("RINGREDUCE_ONESHOT_BYTES", "0")
     monkeypatch.setenv("RINGREDUCE_HALF_ROUNDING", "per_hop")
     monkeypatch.setenv("RINGREDUCE_FUSED", "1")
+    monkeypatch.setenv("RINGREDUCE_CUDA_HALF_ROUNDING", "once")
     assert ringreduce.settings() == {"transport": "copy", "oneshot_max_bytes": 0,
-                                     "half_rounding": "per_hop", "fused": True}
+                                     "half_rounding": "per_hop", "fused": True,
+                                     "cuda_half_rounding": "once"}
     monkeypatch.setenv("RINGREDUCE_TRANSPORT", "")  # empty is unset
     assert ringreduce.settings()["transport"] == "p2p"
     monkeypatch.setenv("RINGREDUCE_TRANSPORT", "ib")

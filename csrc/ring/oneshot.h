@@ -163,6 +163,55 @@ RR_HD void oneshot_thread(const OneshotArgs& a, int64_t first, int64_t stride) {
   }
 }
 
+// The once-rounded one-shot (float16 / bfloat16 sum and avg, T = half_bits or bf16_bits):
+// every element is summed in fp32 in rank order 0, 1, ..., N-1, starting from in[0]'s value
+// itself (a sum of -0.0s stays -0.0), an average divided by N in fp32, and rounded to T once:
+// the arithmetic of rr::cpu::sum_rounded_once (cpu_executor.cpp), so the CPU paths and this
+// kernel give the same bits. Plain fp32 adds and one IEEE division (no fused operation can
+// apply; nvcc divides to IEEE unless --use_fast_math or -prec-div=false, which the builds do not
+// pass). One thread, as oneshot_thread: packs first, then the elements after the last pack;
+// all N inputs of an index are read before any output of it is written (in place is safe).
+template <typename T, Op op>
+RR_HD T round_sum_once(float acc, int nranks) {
+  if (op == Op::Avg) acc /= float(nranks);
+  return store_acc<T>(acc);
+}
+
+template <typename T, Op op>
+RR_HD void oneshot_once_thread(const OneshotArgs& a, int64_t first, int64_t stride) {
+  constexpr int kLanes = Pack<T>::kLanes;
+  int64_t head = 0;
+  if (a.vec) {
+    const int64_t npacks = a.count / kLanes;
+    for (int64_t v = first; v < npacks; v += stride) {
+      const Pack<T> x0 = load_pack<T>(a.in[0], v, a.in_packed & 1);
+      float acc[kLanes];
+      for (int l = 0; l < kLanes; ++l) acc[l] = to_float(x0.lane[l]);
+      RR_ONESHOT_UNROLL
+      for (int r = 1; r < a.nranks; ++r) {
+        const Pack<T> x = load_pack<T>(a.in[r], v, (a.in_packed >> r) & 1);
+        for (int l = 0; l < kLanes; ++l) acc[l] += to_float(x.lane[l]);
+      }
+      Pack<T> y;
+      for (int l = 0; l < kLanes; ++l) y.lane[l] = round_sum_once<T, op>(acc[l], a.nranks);
+      for (int r = 0; r < a.nranks; ++r) store_pack<T>(a.out[r], v, y, (a.out_packed >> r) & 1);
+    }
+    head = npacks * kLanes;
+  }
+  for (int64_t i = head + first; i < a.count; i += stride) {
+    float acc = to_float(static_cast<const T*>(a.in[0])[i]);
+    RR_ONESHOT_UNROLL
+    for (int r = 1; r < a.nranks; ++r) acc += to_float(static_cast<const T*>(a.in[r])[i]);
+    const T y = round_sum_once<T, op>(acc, a.nranks);
+    for (int r = 0; r < a.nranks; ++r) static_cast<T*>(a.out[r])[i] = y;
+  }
+}
+
+// Whether the once-rounded one-shot takes (dtype, op): float16 and bfloat16 sum and avg.
+inline bool oneshot_rounds_once(DType dtype, Op op) {
+  return (dtype == DType::F16 || dtype == DType::BF16) && (op == Op::Sum || op == Op::Avg);
+}
+
 namespace cpu {
 
 // out[r] = the all-reduce of in[0..nranks), count elements each, bit for bit what all_reduce

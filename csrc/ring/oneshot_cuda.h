@@ -21,15 +21,17 @@ namespace cuda {
 // wait for this kernel. `device` is the current device. Throws std::invalid_argument for bad
 // arguments and std::runtime_error naming the dtype, op and device when the launch fails. One
 // runtime call, the launch, once the device's occupancy of the kernel is known.
+// `once`: float16 and bfloat16 sum and avg rounded once (oneshot_once_thread, oneshot.h: the CPU
+// paths' bits, not the ring's); other dtypes and ops throw std::invalid_argument.
 void launch_oneshot(const void* const* in, void* const* out, int nranks, int64_t count,
-                    DType dtype, Op op, cudaStream_t stream, int device);
+                    DType dtype, Op op, cudaStream_t stream, int device, bool once = false);
 
 // The list API's one-shot all-reduce on one lane (every rank on one stream of lane.device, which
 // is current): check_capture (cuda_executor.h: a refusal on the legacy default stream while
 // another stream captures), then launch_oneshot. Two runtime calls: the capture check and the
 // launch.
 void run_oneshot(const Lane& lane, const void* const* in, void* const* out, int nranks,
-                 int64_t count, DType dtype, Op op);
+                 int64_t count, DType dtype, Op op, bool once = false);
 
 }  // namespace cuda
 }  // namespace rr

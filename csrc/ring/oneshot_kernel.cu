@@ -23,41 +23,77 @@ __global__ void __launch_bounds__(kOneshotThreads)
                         int64_t(gridDim.x) * blockDim.x);
 }
 
-// Launched through the kernel's typed pointer, as in cuda_kernels.cu (the fake runtime runs it
-// and counts its parameters).
+// The once-rounded sum (oneshot_once_thread): float16 and bfloat16 sum and avg only.
 template <typename T, Op op>
-void launch(OneshotArgs& a, DType dtype, cudaStream_t stream, int device) {
-  static ResidentCache resident;
+__global__ void __launch_bounds__(kOneshotThreads)
+    oneshot_once_kernel(const __grid_constant__ OneshotArgs a) {
+  oneshot_once_thread<T, op>(a, int64_t(blockIdx.x) * blockDim.x + threadIdx.x,
+                             int64_t(gridDim.x) * blockDim.x);
+}
+
+// Launched through the kernel's typed pointer, as in cuda_kernels.cu (the fake runtime runs it
+// and counts its parameters). `once`: the kernel is oneshot_once_kernel.
+template <typename T, Op op>
+void launch(void (*kernel)(OneshotArgs), bool once, OneshotArgs& a, DType dtype,
+            cudaStream_t stream, int device) {
+  // One cache per kernel: each instantiation of this function serves both kernels of (T, op).
+  static ResidentCache resident[2];
   // One thread per pack (or element), so a small call takes few blocks and leaves the other SMs
   // to whatever runs beside it; a large one takes one wave of resident blocks and strides.
   const int64_t blocks = oneshot_grid(
       a.count, elem_size(dtype), a.vec,
-      resident.get(reinterpret_cast<const void*>(&oneshot_kernel<T, op>), kOneshotThreads,
-                   device));
+      resident[once ? 1 : 0].get(reinterpret_cast<const void*>(kernel), kOneshotThreads, device));
   void* args[] = {&a};
-  RR_CUDA_CHECK(cudaLaunchKernel(&oneshot_kernel<T, op>, dim3(unsigned(blocks)),
-                                 dim3(kOneshotThreads), args, 0, stream),
+  RR_CUDA_CHECK(cudaLaunchKernel(kernel, dim3(unsigned(blocks)), dim3(kOneshotThreads), args, 0,
+                                 stream),
                 std::string("launching the one-shot all-reduce kernel (") + dtype_name(dtype) +
-                    " " + op_name(op) + ", " + std::to_string(a.nranks) + " ranks, " +
-                    std::to_string(a.count) + " elements) on cuda:" + std::to_string(device));
+                    " " + op_name(op) + (once ? ", rounded once" : "") + ", " +
+                    std::to_string(a.nranks) + " ranks, " + std::to_string(a.count) +
+                    " elements) on cuda:" + std::to_string(device));
+}
+
+template <typename T, Op op>
+void launch_ring_order(OneshotArgs& a, DType dtype, cudaStream_t stream, int device) {
+  launch<T, op>(&oneshot_kernel<T, op>, false, a, dtype, stream, device);
+}
+
+template <typename T, Op op>
+void launch_once(OneshotArgs& a, DType dtype, cudaStream_t stream, int device) {
+  launch<T, op>(&oneshot_once_kernel<T, op>, true, a, dtype, stream, device);
 }
 
 }  // namespace
 
 void launch_oneshot(const void* const* in, void* const* out, int nranks, int64_t count,
-                    DType dtype, Op op, cudaStream_t stream, int device) {
+                    DType dtype, Op op, cudaStream_t stream, int device, bool once) {
   if (count < 0) {
     throw std::invalid_argument("ringreduce: count must be >= 0, got " + std::to_string(count));
   }
+  if (once && !oneshot_rounds_once(dtype, op)) {
+    throw std::invalid_argument(std::string("ringreduce: the once-rounded one-shot takes float16 "
+                                            "and bfloat16 sum and avg; got ") +
+                                dtype_name(dtype) + " " + op_name(op));
+  }
   OneshotArgs a = make_oneshot_args(in, out, nranks, count);
   if (count == 0) return;
-  RR_DISPATCH(dtype, op, launch<T, kOp>(a, dtype, stream, device));
+  if (once) {
+    const bool avg = op == Op::Avg;
+    if (dtype == DType::F16) {
+      avg ? launch_once<half_bits, Op::Avg>(a, dtype, stream, device)
+          : launch_once<half_bits, Op::Sum>(a, dtype, stream, device);
+    } else {
+      avg ? launch_once<bf16_bits, Op::Avg>(a, dtype, stream, device)
+          : launch_once<bf16_bits, Op::Sum>(a, dtype, stream, device);
+    }
+    return;
+  }
+  RR_DISPATCH(dtype, op, launch_ring_order<T, kOp>(a, dtype, stream, device));
 }
 
 void run_oneshot(const Lane& lane, const void* const* in, void* const* out, int nranks,
-                 int64_t count, DType dtype, Op op) {
+                 int64_t count, DType dtype, Op op, bool once) {
   check_capture(&lane, 1, lane.device);
-  launch_oneshot(in, out, nranks, count, dtype, op, lane.stream, lane.device);
+  launch_oneshot(in, out, nranks, count, dtype, op, lane.stream, lane.device, once);
 }
 
 }  // namespace cuda

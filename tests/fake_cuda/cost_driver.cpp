@@ -61,8 +61,8 @@ struct Driver {
   ~Driver() { --g_driver; }
 };
 
-enum class Path { Oneshot, Ring, RingMany, RingVirtual, RingDevices, Staged, CaptureOneshot,
-                  CaptureRing };
+enum class Path { Oneshot, OneshotOnce, Ring, RingMany, RingVirtual, RingDevices, Staged,
+                  CaptureOneshot, CaptureRing };
 
 struct Setup {
   const char* name;
@@ -77,6 +77,7 @@ std::vector<Setup> setups() {
   const std::vector<int> one(kRanks, 0), each = {0, 1, 2, 3}, many(kManyRanks, 0);
   return {
       {"oneshot", Path::Oneshot, {0}, one},
+      {"oneshot_once", Path::OneshotOnce, {0}, one},
       {"ring", Path::Ring, {0}, one},
       {"ring_12_ranks", Path::RingMany, {0}, many},
       {"ring_virtual", Path::RingVirtual, {0, 0, 0, 0}, each},
@@ -91,6 +92,17 @@ bool oneshot(Path p) { return p == Path::Oneshot || p == Path::CaptureOneshot; }
 
 void fill(std::vector<int32_t>& v, int rank, int call) {
   for (size_t i = 0; i < v.size(); ++i) v[i] = int32_t(i * 7 + size_t(rank) * 1000 + call * 13);
+}
+
+// The oneshot_once path reads each int32 as two bfloat16 values: finite ones of either sign
+// between 2^-8 and 2^9 or so, whose fp32 sums round.
+void fill_bf16(std::vector<int32_t>& v, int rank, int call) {
+  for (size_t i = 0; i < v.size(); ++i) {
+    const size_t k = size_t(rank), c = size_t(call);
+    const uint32_t lo = 0x3B80u + uint32_t(i * 37 + k * 101 + c * 13) % 0x0900u;
+    const uint32_t hi = 0xBB80u + uint32_t(i * 53 + k * 71 + c * 29) % 0x0900u;
+    v[i] = int32_t(lo | (hi << 16));
+  }
 }
 
 std::string format(const FakeCounts& c, long allocations) {
@@ -136,8 +148,13 @@ int run(const Setup& setup, int calls, bool print) {
     std::vector<void*> ptrs;
     std::vector<const void*> cptrs;
     for (int r = 0; r < nranks; ++r) {
-      fill(dev[size_t(r)], r, call);
-      fill(ref[size_t(r)], r, call);
+      if (setup.path == Path::OneshotOnce) {
+        fill_bf16(dev[size_t(r)], r, call);
+        fill_bf16(ref[size_t(r)], r, call);
+      } else {
+        fill(dev[size_t(r)], r, call);
+        fill(ref[size_t(r)], r, call);
+      }
       ptrs.push_back(dev[size_t(r)].data());
       cptrs.push_back(dev[size_t(r)].data());
     }
@@ -148,6 +165,9 @@ int run(const Setup& setup, int calls, bool print) {
     if (oneshot(setup.path)) {
       rr::cuda::run_oneshot(lanes[0], cptrs.data(), ptrs.data(), nranks, kCount, DType::I32,
                             Op::Sum);
+    } else if (setup.path == Path::OneshotOnce) {
+      rr::cuda::run_oneshot(lanes[0], cptrs.data(), ptrs.data(), nranks, 2 * kCount,
+                            DType::BF16, Op::Sum, true);
     } else {
       rr::cuda::run(plan, setup.rank_lane.data(), nranks, lanes.data(), int(lanes.size()),
                     DType::I32, Op::Sum, options);
@@ -160,7 +180,12 @@ int run(const Setup& setup, int calls, bool print) {
     if (!fake_drain()) ++wrong;
     std::vector<void*> refs;
     for (auto& v : ref) refs.push_back(v.data());
-    rr::cpu::all_reduce(refs.data(), nranks, kCount, DType::I32, Op::Sum);
+    if (setup.path == Path::OneshotOnce) {
+      rr::cpu::all_reduce_once(refs.data(), refs.data(), nranks, 2 * kCount, DType::BF16,
+                               Op::Sum);
+    } else {
+      rr::cpu::all_reduce(refs.data(), nranks, kCount, DType::I32, Op::Sum);
+    }
     if (dev != ref) {
       std::printf("wrong: %s call %d\n", setup.name, call);
       ++wrong;

@@ -263,18 +263,26 @@ int64_t oneshot_setting(const std::string& fn) {
   return bytes;
 }
 
+// A two-valued setting: unset, blank or `off` is false, `on` true; anything else raises a
+// ValueError saying "NAME must be CHOICES".
+bool switch_setting(const std::string& fn, const char* name, const char* off, const char* on,
+                    const char* choices) {
+  const char* v = setting(name);
+  if (v == nullptr) return false;
+  const std::string value = v;
+  TORCH_CHECK_VALUE(value == off || value == on, fn, ": ", name, " must be ", choices, "; got '",
+                    value, "'");
+  return value == on;
+}
+
 //   RINGREDUCE_FUSED: "1" runs an all-reduce that every rank runs on one stream of one GPU, with
 //     the p2p transport, above the one-shot's size and outside stream capture, as the fused ring
 //     kernel (fused_cuda.h: one cooperative launch instead of 2(N-1) step kernels, the ring's
 //     bits), synchronously: the call waits for the kernel and raises if it reported a failure.
 //     "0" or unset: the ring. Not the default until a GPU run shows it right and faster.
 bool fused_setting(const std::string& fn) {
-  const char* v = setting("RINGREDUCE_FUSED");
-  if (v == nullptr) return false;
-  const std::string value = v;
-  TORCH_CHECK_VALUE(value == "0" || value == "1", fn, ": RINGREDUCE_FUSED must be 0 (the ring) or "
-                    "1 (the fused ring kernel, synchronous); got '", value, "'");
-  return value == "1";
+  return switch_setting(fn, "RINGREDUCE_FUSED", "0", "1",
+                        "0 (the ring) or 1 (the fused ring kernel, synchronous)");
 }
 
 //   RINGREDUCE_CUDA_HALF_ROUNDING: "per_hop" (the default, the ring's bits) or "once": a float16
@@ -283,12 +291,8 @@ bool fused_setting(const std::string& fn) {
 //     (oneshot.h oneshot_once_thread: the CPU paths' bits). Not the default until a GPU run
 //     shows it right.
 bool cuda_half_once_setting(const std::string& fn) {
-  const char* v = setting("RINGREDUCE_CUDA_HALF_ROUNDING");
-  if (v == nullptr) return false;
-  const std::string value = v;
-  TORCH_CHECK_VALUE(value == "per_hop" || value == "once", fn, ": RINGREDUCE_CUDA_HALF_ROUNDING "
-                    "must be 'per_hop' (the default) or 'once'; got '", value, "'");
-  return value == "once";
+  return switch_setting(fn, "RINGREDUCE_CUDA_HALF_ROUNDING", "per_hop", "once",
+                        "'per_hop' (the default) or 'once'");
 }
 
 // RINGREDUCE_HALF_ROUNDING (rr::cpu::half_rounding_setting): how CPU float16 and bfloat16

@@ -32,17 +32,15 @@ __global__ void __launch_bounds__(kOneshotThreads)
 }
 
 // Launched through the kernel's typed pointer, as in cuda_kernels.cu (the fake runtime runs it
-// and counts its parameters). `once`: the kernel is oneshot_once_kernel.
-template <typename T, Op op>
-void launch(void (*kernel)(OneshotArgs), bool once, OneshotArgs& a, DType dtype,
-            cudaStream_t stream, int device) {
-  // One cache per kernel: each instantiation of this function serves both kernels of (T, op).
-  static ResidentCache resident[2];
+// and counts its parameters). `resident`: the kernel's own occupancy cache. `once`: the kernel
+// is oneshot_once_kernel (for the error message).
+void launch(void (*kernel)(OneshotArgs), ResidentCache& resident, bool once, OneshotArgs& a,
+            DType dtype, Op op, cudaStream_t stream, int device) {
   // One thread per pack (or element), so a small call takes few blocks and leaves the other SMs
   // to whatever runs beside it; a large one takes one wave of resident blocks and strides.
   const int64_t blocks = oneshot_grid(
       a.count, elem_size(dtype), a.vec,
-      resident[once ? 1 : 0].get(reinterpret_cast<const void*>(kernel), kOneshotThreads, device));
+      resident.get(reinterpret_cast<const void*>(kernel), kOneshotThreads, device));
   void* args[] = {&a};
   RR_CUDA_CHECK(cudaLaunchKernel(kernel, dim3(unsigned(blocks)), dim3(kOneshotThreads), args, 0,
                                  stream),
@@ -54,12 +52,14 @@ void launch(void (*kernel)(OneshotArgs), bool once, OneshotArgs& a, DType dtype,
 
 template <typename T, Op op>
 void launch_ring_order(OneshotArgs& a, DType dtype, cudaStream_t stream, int device) {
-  launch<T, op>(&oneshot_kernel<T, op>, false, a, dtype, stream, device);
+  static ResidentCache resident;
+  launch(&oneshot_kernel<T, op>, resident, false, a, dtype, op, stream, device);
 }
 
 template <typename T, Op op>
 void launch_once(OneshotArgs& a, DType dtype, cudaStream_t stream, int device) {
-  launch<T, op>(&oneshot_once_kernel<T, op>, true, a, dtype, stream, device);
+  static ResidentCache resident;
+  launch(&oneshot_once_kernel<T, op>, resident, true, a, dtype, op, stream, device);
 }
 
 }  // namespace

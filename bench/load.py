@@ -14,6 +14,15 @@ default one per core, at the same priority as the ranks):
   every core taken, with memory traffic.
 - `none`: no load (the quiet run every slowdown is measured against; always run first).
 
+Where the loads run (--session): `own` (the default), each load process in a session of its
+own, as another job's processes are; `same`, in the benchmark's session, as a training job's
+data-loader workers are. It matters where the kernel groups tasks by session
+(/proc/sys/kernel/sched_autogroup_enabled = 1, the default of most desktop and many server
+kernels): each session then gets an equal share of the CPUs, so two ranks in one session beside
+one busy session per core get a third of each core, and a collective that keeps every core busy
+on a quiet machine cannot run faster than 3x its quiet time. In the same session every task
+counts alike: the ranks get half of each core.
+
 The sweep is bench/ddp.py's (the same ranks, buffers, warm-up, iterations and timing: per
 iteration the slowest rank's time, the median over iterations), one run per backend per load;
 --runs repeats the whole thing and the table gives the median of the runs' medians with their
@@ -65,10 +74,12 @@ _LOAD_CODE = {"busy": _BUSY, "numpy": _NUMPY}
 
 
 class Load:
-    """`procs` processes running load `kind` from start() to stop() (killed at exit too)."""
+    """`procs` processes running load `kind` from start() to stop() (killed at exit too), each in
+    a session of its own (`own_session`) or in this one."""
 
-    def __init__(self, kind, procs):
+    def __init__(self, kind, procs, own_session=True):
         self.kind, self.procs, self.running = kind, procs, []
+        self.own_session = own_session
         atexit.register(self.stop)
 
     def start(self):
@@ -78,7 +89,7 @@ class Load:
         for _ in range(self.procs):
             self.running.append(subprocess.Popen(
                 [sys.executable, "-c", _LOAD_CODE[self.kind]], env=env,
-                stdin=subprocess.DEVNULL, start_new_session=True))
+                stdin=subprocess.DEVNULL, start_new_session=self.own_session))
         time.sleep(0.5)  # running (and numpy imported) before the ranks start
         dead = [p.returncode for p in self.running if p.poll() is not None]
         if dead:
@@ -89,7 +100,10 @@ class Load:
     def stop(self):
         for p in self.running:
             if p.poll() is None:
-                os.killpg(p.pid, signal.SIGKILL)
+                if self.own_session:
+                    os.killpg(p.pid, signal.SIGKILL)
+                else:
+                    p.kill()
         for p in self.running:
             p.wait()
         self.running = []
@@ -99,7 +113,8 @@ class Load:
             return "none (quiet)"
         what = {"busy": "`while True: pass`", "numpy": "numpy batches (32x3x64x64 float32: "
                 "normalise, flip, crop, sum), one thread each"}[self.kind]
-        return f"{self.kind}: {self.procs} processes of {what}"
+        where = "each in its own session" if self.own_session else "in this session"
+        return f"{self.kind}: {self.procs} processes of {what}, {where}"
 
 
 def parse_args(argv):
@@ -113,6 +128,9 @@ def parse_args(argv):
                    help=f"comma-separated, from {', '.join(LOADS[1:])}; the quiet run comes first")
     p.add_argument("--load-procs", type=int, default=None,
                    help="processes per load (default: one per usable core)")
+    p.add_argument("--session", choices=("own", "same"), default="own",
+                   help="the load processes in sessions of their own (another job) or in this "
+                        "one (data-loader workers); see above")
     p.add_argument("--sizes", default=DEFAULT_SIZES, help="comma-separated message sizes")
     p.add_argument("--runs", type=int, default=1, help="repetitions of every (load, backend)")
     p.add_argument("--iters", type=int, default=None,
@@ -170,7 +188,7 @@ def main(argv=None):
           "then the median (min-max) over runs")
     print(f"# command: {common.command_line()}")
     print("# load average at start: " + ", ".join(f"{x:.2f}" for x in os.getloadavg()))
-    loads = {kind: Load(kind, args.load_procs) for kind in args.loads}
+    loads = {kind: Load(kind, args.load_procs, args.session == "own") for kind in args.loads}
     for kind in args.loads:
         print(f"# load {loads[kind].describe()}")
     # times[load][backend] = list over runs of {size: us}; why[backend] = why it did not run

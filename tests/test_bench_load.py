@@ -34,19 +34,27 @@ def test_arguments():
     args = load.parse_args(["--loads", "numpy,busy,numpy", "--load-procs", "3"])
     assert args.loads == ["none", "numpy", "busy"] and args.load_procs == 3
     assert load.parse_args([]).load_procs == len(os.sched_getaffinity(0))
+    assert load.parse_args([]).session == "own"
+    assert load.parse_args(["--session", "same"]).session == "same"
+    with pytest.raises(SystemExit):
+        load.parse_args(["--session", "other"])
     with pytest.raises(SystemExit):
         load.parse_args(["--loads", "idle"])
     with pytest.raises(SystemExit):
         load.parse_args(["--ranks", "1"])
 
 
-@pytest.mark.parametrize("kind", ["busy", "numpy"])
-def test_load_processes_run_and_stop(kind):
-    procs = load.Load(kind, 2)
+@pytest.mark.parametrize("kind,own_session", [("busy", True), ("numpy", True),
+                                               ("busy", False)])
+def test_load_processes_run_and_stop(kind, own_session):
+    procs = load.Load(kind, 2, own_session)
     procs.start()
     try:
         pids = [p.pid for p in procs.running]
         assert len(pids) == 2 and all(alive(pid) for pid in pids)
+        # Each in a session of its own, or in this one (where stop() must not kill this group).
+        sessions = {os.getsid(pid) for pid in pids}
+        assert sessions == (set(pids) if own_session else {os.getsid(0)}), sessions
         # They burn CPU: each process's CPU time grows.
         before = [_cpu_ticks(pid) for pid in pids]
         time.sleep(0.5)

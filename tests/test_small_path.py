@@ -19,6 +19,7 @@ pick up a changed RINGREDUCE_SMALL_BYTES, since the backend reads it when it cre
 import datetime
 import os
 import random
+import resource
 import time
 
 import pytest
@@ -307,6 +308,8 @@ def test_bad_or_differing_settings_refuse_the_group(tmp_path):
     assert "RINGREDUCE_SPIN_US must be a number of microseconds" in msg, msg
     msg = values(run_ranks(_bad_setting, 1, tmp_path, ["2"], "RINGREDUCE_SPIN_YIELD"))[0]
     assert "RINGREDUCE_SPIN_YIELD must be 0 or 1" in msg and "'2'" in msg, msg
+    msg = values(run_ranks(_bad_setting, 1, tmp_path, ["1M"], "RINGREDUCE_SHARED_CORE_BYTES"))[0]
+    assert "RINGREDUCE_SHARED_CORE_BYTES must be a number of bytes" in msg and "'1M'" in msg, msg
     # The first rank to map a peer's segment names the setting and gives up, which removes its
     # own segment: the other rank may then fail to open that one instead.
     msgs = values(run_ranks(_bad_setting, 2, tmp_path, ["0", None]))
@@ -350,3 +353,55 @@ def test_ranks_pinned_to_one_core_with_a_forced_spin(tmp_path, world):
     got = values(run_ranks(_one_core, world, tmp_path, seed,
                            env={"RINGREDUCE_SPIN_US": "1000"}))
     assert got == [(15, 1)] * world, got
+
+
+def _shared_core_sleeps(rank, world, store, seed, count, calls):
+    """Every rank pinned to one CPU with a 1 ms spin forced, as _one_core: the futex sleeps
+    (voluntary context switches) per all_reduce of `count` int64 in a group with the default
+    RINGREDUCE_SHARED_CORE_BYTES and in one where no size yields to a peer on the same CPU
+    (the behaviour before it), exact sums checked in both."""
+    os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})
+    torch.set_num_threads(1)
+    init(rank, world, store, timeout=60.0)
+    os.environ["RINGREDUCE_SHARED_CORE_BYTES"] = str(1 << 62)
+    try:
+        never = dist.new_group(backend="ringreduce", timeout=datetime.timedelta(seconds=60))
+    finally:
+        os.environ.pop("RINGREDUCE_SHARED_CORE_BYTES")
+    sleeps = {}
+    for name, group in (("default", None), ("never", never)):
+        g = torch.Generator().manual_seed(seed)
+        inputs = [torch.randint(-1000, 1000, (count,), generator=g, dtype=torch.int64)
+                  for _ in range(world)]
+        expect = sum(inputs)
+        t = inputs[rank].clone()
+        dist.all_reduce(t, group=group)  # warm: pages touched, paths taken once
+        dist.barrier(group=group)
+        before = resource.getrusage(resource.RUSAGE_SELF).ru_nvcsw
+        for _ in range(calls):
+            t.copy_(inputs[rank])
+            dist.all_reduce(t, group=group)
+            assert torch.equal(t, expect), name
+        sleeps[name] = resource.getrusage(resource.RUSAGE_SELF).ru_nvcsw - before
+    dist.destroy_process_group()
+    return sleeps
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("world", [2, 3])
+def test_ranks_on_one_core_yield_to_each_other_in_large_collectives(tmp_path, world):
+    """From RINGREDUCE_SHARED_CORE_BYTES (1 MiB) up, a spinning rank whose peer last published
+    from its own CPU yields to it: the ranks hand the core to each other instead of spinning
+    until the futex sleep. Counted as sleeps (not timed): the group that never yields sleeps at
+    most hand-offs (11 per 16 MiB call with 2 ranks when measured), the default one (almost)
+    never."""
+    seed, count, calls = 4343, 2 << 20, 8  # 16 MiB of int64
+    print(f"seed {seed}")
+    per_rank = values(run_ranks(_shared_core_sleeps, world, tmp_path, seed, count, calls,
+                                env={"RINGREDUCE_SPIN_US": "1000"}))
+    default = sum(s["default"] for s in per_rank)
+    never = sum(s["never"] for s in per_rank)
+    print(f"futex sleeps over {calls} calls, all ranks: default {default}, never {never}")
+    # The premise: without the yield, ranks sharing a core sleep at their hand-offs.
+    assert never >= 3 * calls, per_rank
+    assert default * 4 <= never, per_rank

@@ -250,7 +250,7 @@ void two_shot_all_reduce(HostGroup& g, const Ctx& ctx, void* data, int64_t count
 }  // namespace
 
 void all_reduce(HostGroup& g, void* data, int64_t count, DType dtype, Op op) {
-  const Ctx ctx = g.begin(Kind::AllReduce);
+  const Ctx ctx = g.begin(Kind::AllReduce, count * elem_size(dtype));
   const int n = g.nranks();
   if (n == 1) return;
   guarded(g, ctx, [&] {
@@ -330,7 +330,7 @@ void all_reduce(HostGroup& g, void* data, int64_t count, DType dtype, Op op) {
 }
 
 void broadcast(HostGroup& g, void* data, int64_t bytes, int root) {
-  const Ctx ctx = g.begin(Kind::Broadcast);
+  const Ctx ctx = g.begin(Kind::Broadcast, bytes);
   const int n = g.nranks();
   if (n == 1) return;
   guarded(g, ctx, [&] {
@@ -362,7 +362,7 @@ void broadcast(HostGroup& g, void* data, int64_t bytes, int root) {
 }
 
 void all_gather(HostGroup& g, const void* in, void* const* outs, int64_t bytes) {
-  const Ctx ctx = g.begin(Kind::AllGather);
+  const Ctx ctx = g.begin(Kind::AllGather, bytes * g.nranks());
   const int n = g.nranks();
   guarded(g, ctx, [&] {
     const int rank = g.rank();
@@ -398,7 +398,7 @@ void all_gather(HostGroup& g, const void* in, void* const* outs, int64_t bytes) 
 }
 
 void reduce_scatter(HostGroup& g, const void* in, void* out, int64_t count, DType dtype, Op op) {
-  const Ctx ctx = g.begin(Kind::ReduceScatter);
+  const Ctx ctx = g.begin(Kind::ReduceScatter, count * elem_size(dtype) * g.nranks());
   const int n = g.nranks();
   const int rank = g.rank();
   const int64_t esize = elem_size(dtype);
@@ -469,7 +469,7 @@ void reduce_scatter(HostGroup& g, const void* in, void* out, int64_t count, DTyp
 }
 
 void barrier(HostGroup& g) {
-  const Ctx ctx = g.begin(Kind::Barrier);
+  const Ctx ctx = g.begin(Kind::Barrier, 0);
   if (g.nranks() == 1) return;
   guarded(g, ctx, [&] {
     const uint64_t base = g.base();
@@ -491,7 +491,7 @@ void barrier(HostGroup& g) {
 // Phases of two steps, like the barrier's: publish once this rank's data is staged, once more
 // when it has read what it needs; the next round starts when every rank has done both.
 void gather(HostGroup& g, const void* in, void* const* outs, int64_t bytes, int root) {
-  const Ctx ctx = g.begin(Kind::Gather);
+  const Ctx ctx = g.begin(Kind::Gather, bytes * g.nranks());
   const int n = g.nranks();
   const int rank = g.rank();
   const char* in_bytes = static_cast<const char*>(in);
@@ -529,7 +529,7 @@ void gather(HostGroup& g, const void* in, void* const* outs, int64_t bytes, int 
 }
 
 void scatter(HostGroup& g, const void* const* ins, void* out, int64_t bytes, int root) {
-  const Ctx ctx = g.begin(Kind::Scatter);
+  const Ctx ctx = g.begin(Kind::Scatter, bytes * g.nranks());
   const int n = g.nranks();
   const int rank = g.rank();
   char* out_bytes = static_cast<char*>(out);
@@ -574,7 +574,7 @@ void scatter(HostGroup& g, const void* const* ins, void* out, int64_t bytes, int
 
 void all_to_all(HostGroup& g, const void* const* ins, const int64_t* in_bytes,
                 void* const* outs, const int64_t* out_bytes) {
-  const Ctx ctx = g.begin(Kind::AllToAll);
+  const Ctx ctx = g.begin(Kind::AllToAll, 0);
   const int n = g.nranks();
   const int rank = g.rank();
   if (n == 1) {

@@ -67,6 +67,18 @@ constexpr int64_t kMaxSpinNs = 10000000;
 // them, 267-462 without). RINGREDUCE_SPIN_YIELD=1 also yields inside the spin, every 64 pauses,
 // and before every sleep (the behaviour before issue 49, for comparison).
 constexpr int kYields = 4;
+// RINGREDUCE_SHARED_CORE_BYTES's default. Where other processes keep every core busy, the
+// scheduler may put two ranks on one core and their loads on the other: both cores then hold
+// two tasks, and the balancer leaves them. A rank that spins for its peer then holds off the
+// very process it waits for: 2 ranks, 64 MiB, beside one busy loop per core, took 19 ms per
+// call quiet, 37-50 ms with the ranks on separate cores and 110-150 ms in runs with them on one
+// (both pinned to one core: 142 ms; bench/RESULTS.md). From this size up a spinning waiter
+// checks every 64 pauses whether its peer last published from its own CPU and yields to it.
+// Not below: for small collectives the spin, which keeps the ranks looking busy, is what gets
+// them moved apart (a wait that gave its core away on a shared CPU kept 8 B calls at 50 us for
+// whole runs; bench/RESULTS.md, "Same core"), and a call's work is too short for the spin to
+// cost much.
+constexpr int64_t kDefaultSharedCoreBytes = 1 << 20;
 
 // Bytes of each point-to-point ring: a quarter of the staging size shared among the
 // destinations, at least a page. Larger messages stream through in pieces; this only bounds
@@ -184,6 +196,9 @@ HostGroup::HostGroup(int rank, int nranks, int64_t capacity, double timeout_s,
   spin_ns_ = spin_ns_ >= 0 ? spin_ns_ * 1000 : (nranks <= usable_cpus() ? kDefaultSpinNs : 0);
   spin_yield_ = env_int("RINGREDUCE_SPIN_YIELD", 0, 0, 1,
                         "0 or 1 (1: waits yield inside their spin, the old behaviour)") != 0;
+  shared_core_bytes_ = env_int("RINGREDUCE_SHARED_CORE_BYTES", kDefaultSharedCoreBytes, 0,
+                               int64_t(1) << 62, "a number of bytes (collectives from this size "
+                               "up yield to a peer on the same CPU)");
   if (nranks < 1 || nranks > kMaxRanks)
     throw std::invalid_argument("ringreduce: world size must be in [1, " +
                                 std::to_string(kMaxRanks) + "]; got " + std::to_string(nranks));
@@ -231,6 +246,7 @@ HostGroup::HostGroup(int rank, int nranks, int64_t capacity, double timeout_s,
   h->small_bytes = small_bytes_;
   h->half_once = half_once_ ? 1 : 0;
   h->progress.store(0, std::memory_order_relaxed);
+  h->last_cpu.store(-1, std::memory_order_relaxed);
   h->wake.store(0, std::memory_order_relaxed);
   h->waiters.store(0, std::memory_order_relaxed);
   h->waiting_for.store(-1, std::memory_order_relaxed);
@@ -410,7 +426,8 @@ void HostGroup::wait_bell(uint32_t seen, int64_t ns) const {
   own->p2p_waiters.fetch_sub(1, std::memory_order_seq_cst);
 }
 
-Ctx HostGroup::begin(Kind kind) {
+Ctx HostGroup::begin(Kind kind, int64_t bytes) {
+  shared_core_yield_ = bytes >= 0 && bytes >= shared_core_bytes_;
   if (closed_) throw CommError("ringreduce: " + std::string(kind_name(kind)) +
                                " on a process group that was already destroyed");
   Header* own = headers_[size_t(rank_)];
@@ -433,6 +450,7 @@ Ctx HostGroup::begin(Kind kind) {
 
 void HostGroup::publish(uint64_t value) {
   Header* own = headers_[size_t(rank_)];
+  if (shared_core_yield_) own->last_cpu.store(sched_getcpu(), std::memory_order_relaxed);
   own->progress.store(value, std::memory_order_seq_cst);
   own->wake.fetch_add(1, std::memory_order_seq_cst);
   if (own->waiters.load(std::memory_order_seq_cst) != 0) futex_wake_all(&own->wake);
@@ -518,7 +536,10 @@ void HostGroup::wait(int peer, uint64_t target, const Ctx& ctx, const char* what
       if (h->progress.load(std::memory_order_acquire) >= target) return;
       if ((i & 63) == 0) {
         if (Clock::now() >= until) break;
-        if (spin_yield_) sched_yield();
+        if (spin_yield_ ||
+            (shared_core_yield_ &&
+             h->last_cpu.load(std::memory_order_relaxed) == sched_getcpu()))
+          sched_yield();
       }
     }
   }

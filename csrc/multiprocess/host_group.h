@@ -15,7 +15,8 @@
 // its data, then publishes with a release store; a reader waits with acquire loads, so what
 // the writer wrote before publishing is visible. Waiters spin up to a scheduler slice without
 // yielding (not at all when the group's ranks outnumber this process's cores: they yield
-// instead), then sleep on a futex next to the counter.
+// instead; in collectives from RINGREDUCE_SHARED_CORE_BYTES up they yield to a peer that last
+// published from their own CPU), then sleep on a futex next to the counter.
 //
 // Every wait is bounded by the group's timeout, measured from the start of the collective, and
 // fails naming the collective, the peer and the step. A rank whose collective fails marks its
@@ -111,6 +112,9 @@ struct alignas(64) Header {
   int64_t small_bytes;  // RINGREDUCE_SMALL_BYTES: data bytes of each small-message slot
   int32_t half_once;    // RINGREDUCE_HALF_ROUNDING: 1 once (the default), 0 per_hop
   alignas(64) std::atomic<uint64_t> progress;
+  // The CPU this rank last published from, in collectives of at least
+  // RINGREDUCE_SHARED_CORE_BYTES (HostGroup::begin): a waiter on the same CPU yields to it.
+  std::atomic<int32_t> last_cpu;
   alignas(64) std::atomic<uint32_t> wake;     // futex word, bumped on every publish
   std::atomic<uint32_t> waiters;              // peers sleeping on `wake`
   alignas(64) std::atomic<int32_t> waiting_for;  // the rank this one is blocked on, or -1
@@ -224,8 +228,11 @@ class HostGroup {
   // True when rank `peer`'s process has exited (checked through /proc, same pid namespace).
   bool peer_dead(int peer) const;
 
-  // Starts a collective: checks that this group is usable and returns its context.
-  Ctx begin(Kind kind);
+  // Starts a collective: checks that this group is usable and returns its context. `bytes`:
+  // the data a rank's side of a CPU collective holds (-1: a CUDA collective); from
+  // RINGREDUCE_SHARED_CORE_BYTES up, a waiting rank that finds its peer last ran on its own
+  // CPU yields to it instead of spinning.
+  Ctx begin(Kind kind, int64_t bytes = -1);
   // Progress value at the start of the next phase; `end_phase(n)` moves past a phase of n steps.
   uint64_t base() const { return base_; }
   void end_phase(uint64_t n) { base_ += n; }
@@ -315,6 +322,8 @@ class HostGroup {
   size_t small_stride_ = 0;  // bytes from one slot to the next
   int64_t spin_ns_;          // how long a wait spins before it sleeps
   bool spin_yield_;          // RINGREDUCE_SPIN_YIELD: sched_yield inside the spin too
+  int64_t shared_core_bytes_;  // RINGREDUCE_SHARED_CORE_BYTES
+  bool shared_core_yield_ = false;  // this collective: yield to a peer on this CPU
   std::chrono::nanoseconds timeout_;
   std::string name_;
   size_t map_bytes_ = 0;

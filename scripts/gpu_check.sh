@@ -145,6 +145,10 @@ sweep() {
   RINGREDUCE_ONESHOT_BYTES=0 python3 bench/ring.py --graph --json "$out/ring-only.json" ||
     return 1
   python3 bench/ring.py --impls ringreduce,fused --json "$out/fused.json" || return 1
+  # Four packs in flight per step-kernel thread (read once per process: a run of its own),
+  # ringreduce alone, where the step is latency-bound; compare with ring-only.json's sizes.
+  RINGREDUCE_ONESHOT_BYTES=0 RINGREDUCE_CUDA_STEP_UNROLL=4 python3 bench/ring.py --impls ringreduce \
+    --min-bytes 256K --max-bytes 256M --json "$out/unroll4.json" || return 1
   RINGREDUCE_TRANSPORT=copy python3 bench/ring.py --json "$out/copy.json"
 }
 # left: the seconds left of this phase (PHASE_CAP, exported by run; SECONDS counts from the

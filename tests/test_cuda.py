@@ -3,6 +3,10 @@
 Every GPU result is compared bit for bit with the ring model (tests/reference.py), which is
 also what the CPU path produces: the reduction order and the per-hop rounding are the same.
 """
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -471,3 +475,41 @@ def test_fused_kernel_refuses_too_many_blocks_and_stale_epochs():
         _C.fused_all_reduce(tensors, "sum", 1, flags, 5)  # reused
     _C.fused_all_reduce([t.fill_(1.0) for t in tensors], "sum", 1, flags, 6)
     assert torch.equal(tensors[3], torch.full_like(tensors[3], 4.0))
+
+
+# RINGREDUCE_CUDA_STEP_UNROLL=4 (issue 46): four 16-byte packs in flight per thread of every ring
+# step kernel. Read once per process, so it runs in a process of its own. Its body is checked
+# pack by pack on the CPU (tests/test_step_kernel.py); this is the GPU's say.
+_UNROLL_SCRIPT = r"""
+import sys
+import torch
+sys.path.insert(0, sys.argv[1])
+import ringreduce
+from reference import random_inputs, ring_model
+cases = [(torch.float32, "sum"), (torch.float16, "avg"), (torch.bfloat16, "max"),
+         (torch.int32, "sum"), (torch.int8, "bxor"), (torch.float64, "prod")]
+g = torch.Generator().manual_seed(4646)
+checked = 0
+for nranks in (2, 3, 4):
+    for dtype, op in cases:
+        for count in (1, 33, 4099, (1 << 18) + 5, (1 << 22) + 3):
+            inputs = random_inputs(nranks, count, dtype, op, generator=g)
+            want = ring_model(inputs, op, "per_hop").view(torch.uint8)
+            tensors = [x.cuda() for x in inputs]
+            ringreduce.all_reduce(tensors, op)
+            for r, t in enumerate(tensors):
+                assert torch.equal(t.cpu().view(torch.uint8), want), (nranks, dtype, op, count, r)
+            checked += 1
+print("unroll ok", checked)
+"""
+
+
+@pytest.mark.timeout(600)
+def test_step_unroll_4_gives_the_ring_bits():
+    """The ring's list API with four packs in flight per thread, the one-shot off: the ring
+    model's bits for 2-4 simulated ranks on one GPU, 6 dtype/op pairs, sizes to 16 MiB."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    env = dict(os.environ, RINGREDUCE_CUDA_STEP_UNROLL="4", RINGREDUCE_ONESHOT_BYTES="0")
+    proc = subprocess.run([sys.executable, "-c", _UNROLL_SCRIPT, here], env=env,
+                          capture_output=True, text=True, timeout=540)
+    assert proc.returncode == 0 and "unroll ok 90" in proc.stdout, proc.stdout + proc.stderr

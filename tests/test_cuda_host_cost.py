@@ -112,15 +112,24 @@ def parse(out):
 
 
 @pytest.fixture(scope="module")
-def counts(tmp_path_factory):
-    exe = build(tmp_path_factory.mktemp("host_cost"), "cost_driver", [
+def driver(tmp_path_factory):
+    return build(tmp_path_factory.mktemp("host_cost"), "cost_driver", [
         os.path.join(CSRC, "ring", "cuda_executor.cu"),
         os.path.join(CSRC, "ring", "cuda_kernels.cu"),
         os.path.join(CSRC, "ring", "oneshot_kernel.cu"),
         os.path.join(CSRC, "ring", "cpu_executor.cpp"),
         os.path.join(FAKE, "fake_lanes.cpp"),
         os.path.join(FAKE, "cost_driver.cpp")])
-    proc = subprocess.run([exe], capture_output=True, text=True, timeout=120)
+
+
+def run_driver(exe, **env):
+    return subprocess.run([exe], capture_output=True, text=True, timeout=120,
+                          env=dict(os.environ, **env))
+
+
+@pytest.fixture(scope="module")
+def counts(driver):
+    proc = run_driver(driver)
     assert proc.returncode == 0 and "cost: 0 wrong" in proc.stdout, proc.stdout + proc.stderr
     return parse(proc.stdout)
 
@@ -129,6 +138,21 @@ def counts(tmp_path_factory):
 def test_host_cost_per_call_is_pinned(counts, path):
     """Every path's runtime calls, launches, parameter bytes and allocations, exactly."""
     assert counts.get(path) == PINNED[path], (path, counts.get(path))
+
+
+def test_step_unroll_costs_the_same_and_gives_the_same_bytes(driver):
+    """RINGREDUCE_CUDA_STEP_UNROLL=4 (four packs in flight per thread of a step kernel; step.h's
+    body is checked pack by pack in tests/test_step_kernel.py): every path's bytes are still the
+    CPU executor's, and the host pays exactly what it pays with one pack (the same launches,
+    parameter bytes and calls: only the kernel instantiation differs). A value other than 1 or 4
+    fails at the first launch, naming the variable."""
+    proc = run_driver(driver, RINGREDUCE_CUDA_STEP_UNROLL="4")
+    assert proc.returncode == 0 and "cost: 0 wrong" in proc.stdout, proc.stdout + proc.stderr
+    assert parse(proc.stdout) == PINNED
+    proc = run_driver(driver, RINGREDUCE_CUDA_STEP_UNROLL="3")
+    assert proc.returncode != 0, proc.stdout
+    assert "RINGREDUCE_CUDA_STEP_UNROLL must be 1 (the default) or 4; got '3'" in proc.stderr, (
+        proc.stdout + proc.stderr)
 
 
 def test_parse_sees_every_field():

@@ -14,6 +14,8 @@
 #include <algorithm>
 #include <array>
 #include <atomic>
+#include <cstdlib>
+#include <cstring>
 #include <map>
 #include <mutex>
 #include <stdexcept>
@@ -33,23 +35,38 @@ struct StepParams {
 };
 
 // blockIdx.y picks the task (one rank's chunk); blockIdx.x and threads stride over it
-// (step.h's step_thread).
-template <typename T, Op op, bool kReduce, bool kLast>
+// (step.h's step_thread), kUnroll packs in flight per thread.
+template <typename T, Op op, bool kReduce, bool kLast, int kUnroll>
 __global__ void __launch_bounds__(kStepThreads) step_kernel(const __grid_constant__ StepParams p) {
-  step_thread<T, op, kReduce, kLast>(p.task[blockIdx.y], p.nranks,
-                                     int64_t(blockIdx.x) * blockDim.x + threadIdx.x,
-                                     int64_t(gridDim.x) * blockDim.x);
+  step_thread<T, op, kReduce, kLast, kUnroll>(p.task[blockIdx.y], p.nranks,
+                                              int64_t(blockIdx.x) * blockDim.x + threadIdx.x,
+                                              int64_t(gridDim.x) * blockDim.x);
 }
 
-template <typename T, Op op, bool kReduce, bool kLast>
+template <typename T, Op op, bool kReduce, bool kLast, int kUnroll>
 const void* kernel_ptr() {
-  return reinterpret_cast<const void*>(&step_kernel<T, op, kReduce, kLast>);
+  return reinterpret_cast<const void*>(&step_kernel<T, op, kReduce, kLast, kUnroll>);
+}
+
+// RINGREDUCE_CUDA_STEP_UNROLL: how many 16-byte packs each thread of a step kernel keeps in
+// flight (step.h's kUnroll): 1, the default, or 4. Read once, at the process's first step
+// launch. Not the default until a GPU run shows it right and faster (issue 46: at 1-16 MiB one
+// load in flight per thread leaves the step latency-bound).
+int step_unroll() {
+  static const int unroll = [] {
+    const char* v = std::getenv("RINGREDUCE_CUDA_STEP_UNROLL");
+    if (v == nullptr || *v == '\0' || std::strcmp(v, "1") == 0) return 1;
+    if (std::strcmp(v, "4") == 0) return 4;
+    throw std::invalid_argument(std::string("ringreduce: RINGREDUCE_CUDA_STEP_UNROLL must be 1 "
+                                            "(the default) or 4; got '") + v + "'");
+  }();
+  return unroll;
 }
 
 // One step kernel's launches, kStepTasks tasks each. Launched through the kernel's typed
 // pointer (CUDA's template overload of cudaLaunchKernel), so that the fake runtime of
 // tests/fake_cuda can run the kernel and count its parameters' bytes.
-template <typename T, Op op, bool kReduce, bool kLast>
+template <typename T, Op op, bool kReduce, bool kLast, int kUnroll>
 void launch_steps(const Task* tasks, int ntasks, DType dtype, Op caller_op, int nranks,
                   cudaStream_t stream, int device) {
   static ResidentCache resident;
@@ -66,11 +83,11 @@ void launch_steps(const Task* tasks, int ntasks, DType dtype, Op caller_op, int 
     // One full wave of resident blocks across all tasks of the launch fills the chip; how many
     // fit per SM depends on each instantiation's registers (docs/PTXAS.md).
     const dim3 grid(unsigned(step_grid_x(max_n, elem_size(dtype), batch,
-                                         resident.get(kernel_ptr<T, op, kReduce, kLast>(),
+                                         resident.get(kernel_ptr<T, op, kReduce, kLast, kUnroll>(),
                                                       kStepThreads, device))),
                     unsigned(batch));
     void* args[] = {&p};
-    RR_CUDA_CHECK(cudaLaunchKernel(&step_kernel<T, op, kReduce, kLast>, grid,
+    RR_CUDA_CHECK(cudaLaunchKernel(&step_kernel<T, op, kReduce, kLast, kUnroll>, grid,
                                    dim3(kStepThreads), args, 0, stream),
                   std::string("launching the ") + (kReduce ? "reduce" : "copy") +
                       " kernel for " + dtype_name(dtype) + " " + op_name(caller_op) +
@@ -104,6 +121,22 @@ int blocks_per_sm(const void* fn, int threads, int device) {
   return n;
 }
 
+// The reduce, last-reduce or copy kernel of one unroll.
+template <typename T, Op op, int kUnroll>
+void launch_kind(const Task* tasks, int ntasks, DType dtype, Op caller_op, bool reduce, bool last,
+                 int nranks, cudaStream_t stream, int device) {
+  if (!reduce) {
+    launch_steps<T, op, false, false, kUnroll>(tasks, ntasks, dtype, caller_op, nranks, stream,
+                                               device);
+  } else if (last) {
+    launch_steps<T, op, true, true, kUnroll>(tasks, ntasks, dtype, caller_op, nranks, stream,
+                                             device);
+  } else {
+    launch_steps<T, op, true, false, kUnroll>(tasks, ntasks, dtype, caller_op, nranks, stream,
+                                              device);
+  }
+}
+
 std::mutex g_mutex;
 std::map<int, bool> g_supported;
 
@@ -114,13 +147,12 @@ void launch_step(const Task* tasks, int ntasks, DType dtype, Op op, bool reduce,
   if (ntasks <= 0) return;
   if (ntasks > kMaxRanks) throw std::runtime_error("ringreduce: too many tasks in one step");
   // Copies do not depend on the operator: one copy kernel per dtype.
+  const bool unrolled = step_unroll() == 4;
   RR_DISPATCH(dtype, reduce ? op : Op::Sum,
-              reduce ? (last ? launch_steps<T, kOp, true, true>(tasks, ntasks, dtype, op,
-                                                                 nranks, stream, device)
-                             : launch_steps<T, kOp, true, false>(tasks, ntasks, dtype, op,
-                                                                  nranks, stream, device))
-                     : launch_steps<T, kOp, false, false>(tasks, ntasks, dtype, op, nranks,
-                                                          stream, device));
+              unrolled ? launch_kind<T, kOp, 4>(tasks, ntasks, dtype, op, reduce, last, nranks,
+                                                stream, device)
+                       : launch_kind<T, kOp, 1>(tasks, ntasks, dtype, op, reduce, last, nranks,
+                                                stream, device));
 }
 
 void launch_step(const Task* tasks, int ntasks, DType dtype, Op op, bool reduce, bool last,
@@ -141,7 +173,7 @@ void check_device_supported(int device) {
   DeviceGuard guard;
   guard.set(device);
   cudaFuncAttributes attr;
-  cudaError_t err = cudaFuncGetAttributes(&attr, kernel_ptr<float, Op::Sum, true, false>());
+  cudaError_t err = cudaFuncGetAttributes(&attr, kernel_ptr<float, Op::Sum, true, false, 1>());
   if (err == cudaErrorNoKernelImageForDevice || err == cudaErrorInvalidDeviceFunction) {
     cudaGetLastError();
     int major = 0, minor = 0;

@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import os
+import queue as queue_module
 import resource
 import subprocess
 import sys
@@ -88,12 +89,12 @@ def main(argv=None):
     loads = [subprocess.Popen([sys.executable, "-c", _BUSY], stdin=subprocess.DEVNULL,
                               start_new_session=args.session == "own")
              for _ in range(args.load)]
+    store = f"/tmp/ringreduce-cpushare-{os.getpid()}-{time.monotonic_ns()}"
     try:
         if loads:
             time.sleep(0.5)
         ctx = mp.get_context("spawn")
         queue = ctx.Queue()
-        store = f"/tmp/ringreduce-cpushare-{os.getpid()}-{time.monotonic_ns()}"
         procs = [ctx.Process(target=_rank, args=(r, args.ranks, store, args, queue))
                  for r in range(args.ranks)]
         for p in procs:
@@ -103,7 +104,7 @@ def main(argv=None):
         while len(rows) < args.ranks and time.monotonic() < deadline:
             try:
                 rows.append(queue.get(timeout=1.0))
-            except Exception:  # queue.Empty
+            except queue_module.Empty:
                 if any(p.exitcode not in (None, 0) for p in procs):
                     break
         for p in procs:

@@ -285,11 +285,12 @@ bool fused_setting(const std::string& fn) {
                         "0 (the ring) or 1 (the fused ring kernel, synchronous)");
 }
 
-//   RINGREDUCE_CUDA_HALF_ROUNDING: "per_hop" (the default, the ring's bits) or "once": a float16
-//     or bfloat16 sum or average over two ranks or more that every rank runs on one stream of
-//     one GPU, with the p2p transport, runs the once-rounded one-shot kernel at every size
-//     (oneshot.h oneshot_once_thread: the CPU paths' bits). Not the default until a GPU run
-//     shows it right.
+//   RINGREDUCE_CUDA_HALF_ROUNDING: "per_hop" (the default, the ring's bits) or "once": the list
+//     API's float16 and bfloat16 sums and averages over two ranks or more on CUDA tensors are
+//     rounded once, with the CPU paths' bits: an all_reduce with every rank on one stream of
+//     one GPU and the p2p transport runs the once-rounded one-shot kernel at every size; every
+//     other all_reduce, and reduce and reduce_scatter, run cuda_executor.h run_once_rounded.
+//     Not the default until a GPU run shows it right.
 bool cuda_half_once_setting(const std::string& fn) {
   return switch_setting(fn, "RINGREDUCE_CUDA_HALF_ROUNDING", "per_hop", "once",
                         "'per_hop' (the default) or 'once'");
@@ -336,7 +337,8 @@ bool ran_once_rounded(const std::string& fn, const std::vector<at::Tensor>& rank
 // most `max_bytes`.
 // `fused` (RINGREDUCE_FUSED): a larger one on that layout runs the fused ring kernel. `once`
 // (RINGREDUCE_CUDA_HALF_ROUNDING=once, float16 / bfloat16 sum or avg, two ranks or more): the
-// once-rounded one-shot runs at every size on that layout.
+// once-rounded one-shot runs at every size on that layout, and the once-rounded two-shot
+// (cuda_executor.h run_once_rounded) on every other (several lanes, or the copy transport).
 struct OneShot {
   std::vector<void*> in, out;
   int64_t count, bytes, max_bytes;
@@ -394,12 +396,15 @@ void run_fused(const rr::cuda::Lane& lane, const OneShot& a, int nranks, rr::DTy
 }
 #endif
 
+// `once`: on CUDA, the once-rounded collective it describes runs instead of the plan (after the
+// one-shot, which takes an all-reduce on one lane first).
 std::vector<std::string> execute(const rr::Plan& plan, rr::DType dtype, rr::Op op,
                                  const std::vector<at::Tensor>& ranks,
                                  const std::vector<at::Tensor>& touched,
                                  const std::vector<at::Tensor>& written, const Streams& streams,
                                  const std::string& transport,
-                                 const OneShot* oneshot = nullptr) {
+                                 const OneShot* oneshot = nullptr,
+                                 const rr::OnceCall* once = nullptr) {
   const int nranks = int(ranks.size());
   if (plan.empty()) return {};
   if (!ranks[0].is_cuda()) {
@@ -437,6 +442,7 @@ std::vector<std::string> execute(const rr::Plan& plan, rr::DType dtype, rr::Op o
   // cannot be enabled (get_p2p_access says no, or raises) is staged, and reported; a pair whose
   // enabling raised once stays staged (peer_memo.h: torch would answer "allowed" next time).
   std::vector<std::string> staged;
+  const bool twoshot = once != nullptr;
   static rr::PeerAccessMemo peer_memo;
   const auto peer_access = [&](int device, int peer) {
     std::string why;
@@ -447,17 +453,20 @@ std::vector<std::string> execute(const rr::Plan& plan, rr::DType dtype, rr::Op o
     if (!why.empty()) why = ": " + why;
     if (!ok) {
       for (int r = 0; r < nranks; ++r) {
-        const int p = (r + nranks - 1) % nranks;
-        if (ranks[r].get_device() != device || ranks[p].get_device() != peer) continue;
-        staged.push_back("rank " + std::to_string(r) + " (cuda:" + std::to_string(device) +
-                         ") <- rank " + std::to_string(p) + " (cuda:" + std::to_string(peer) +
-                         ")" + why);
+        for (int p = 0; p < nranks; ++p) {
+          // The ring reads a rank's predecessor; the two-shot every other rank.
+          if (p == r || (!twoshot && p != (r + nranks - 1) % nranks)) continue;
+          if (ranks[r].get_device() != device || ranks[p].get_device() != peer) continue;
+          staged.push_back("rank " + std::to_string(r) + " (cuda:" + std::to_string(device) +
+                           ") <- rank " + std::to_string(p) + " (cuda:" +
+                           std::to_string(peer) + ")" + why);
+        }
       }
     }
     return ok;
   };
-  // A rank's buffers are touched by its own lane and its successor's (which reads them); the
-  // exit barrier orders the own lane after the successor. Telling the caching allocator about
+  // A rank's buffers are touched by its own lane and its successor's (which reads them; the
+  // two-shot: every lane); the exit barrier orders the own lane after those. Telling the caching allocator about
   // every lane on the tensor's device (the own lane among them) keeps a tensor the caller drops
   // right away (and the workspaces, dropped on return) from being handed out before those
   // lanes reach this point, even if it was allocated on another stream.
@@ -499,6 +508,14 @@ std::vector<std::string> execute(const rr::Plan& plan, rr::DType dtype, rr::Op o
                                       at::TensorOptions().dtype(at::kByte).device(at::kCUDA, dev)));
     return stage_buffers.back().data_ptr();
   };
+  if (twoshot) {
+    // The once-rounded sums in two halves (an all-reduce here: several lanes, or the copy
+    // transport), with the CPU paths' bits.
+    rr::cuda::run_once_rounded(*once, rank_lane.data(), lanes.data(), int(lanes.size()), dtype,
+                               op, options);
+    bump_versions(written);
+    return staged;
+  }
   rr::cuda::run(plan, rank_lane.data(), nranks, lanes.data(), int(lanes.size()), dtype, op,
                 options);
   bump_versions(written);
@@ -564,8 +581,15 @@ std::vector<std::string> all_reduce(const std::vector<at::Tensor>& tensors,
   const OneShot oneshot{in_ptrs, out_ptrs, tensors[0].numel(),
                         tensors[0].numel() * tensors[0].element_size(), oneshot_max_bytes, fused,
                         once};
+  const std::vector<const void*> once_in(in_ptrs.begin(), in_ptrs.end());
+  rr::OnceCall call;
+  call.kind = rr::OnceCall::AllReduce;
+  call.in = once_in.data();
+  call.out = out_ptrs.data();
+  call.nranks = int(tensors.size());
+  call.count = tensors[0].numel();
   return execute(plan, dtype, op, tensors, concat(tensors, outputs), out, streams, transport,
-                 &oneshot);
+                 &oneshot, once ? &call : nullptr);
 }
 
 std::vector<std::string> reduce(const std::vector<at::Tensor>& inputs,
@@ -573,6 +597,7 @@ std::vector<std::string> reduce(const std::vector<at::Tensor>& inputs,
                                 const std::string& op_name, const Streams& streams) {
   const std::string fn = "ringreduce.reduce";
   const std::string transport = transport_setting(fn);
+  const bool cuda_half_once = cuda_half_once_setting(fn);
   check_ranks(fn, "inputs", inputs, false);
   const int root = check_root(fn, root_arg, inputs.size());
   const rr::DType dtype = rr::dtype_of(inputs[0], fn, "inputs");
@@ -604,8 +629,21 @@ std::vector<std::string> reduce(const std::vector<at::Tensor>& inputs,
   const rr::Plan plan = rr::reduce_plan(in_ptrs.data(), output.data_ptr(), work_ptrs.data(), root,
                                         int(inputs.size()), inputs[0].numel(),
                                         inputs[0].element_size());
+  // RINGREDUCE_CUDA_HALF_ROUNDING=once: every rank sums its chunk of every input once-rounded
+  // (the root into its output, the others into their workspaces), then the root gathers.
+  const bool once = cuda_half_once && inputs.size() >= 2 && rr::oneshot_rounds_once(dtype, op);
+  const std::vector<const void*> once_in(in_ptrs.begin(), in_ptrs.end());
+  void* const once_out[1] = {output.data_ptr()};
+  rr::OnceCall call;
+  call.kind = rr::OnceCall::Reduce;
+  call.in = once_in.data();
+  call.out = once_out;
+  call.work = work_ptrs.data();
+  call.nranks = int(inputs.size());
+  call.count = inputs[0].numel();
+  call.root = root;
   return execute(plan, dtype, op, inputs, concat(concat(inputs, {output}), work), {output},
-                 streams, transport);
+                 streams, transport, nullptr, once ? &call : nullptr);
 }
 
 std::vector<std::string> broadcast(const std::vector<at::Tensor>& tensors, int64_t root_arg,
@@ -678,6 +716,7 @@ std::vector<std::string> reduce_scatter(const std::vector<at::Tensor>& inputs,
                                         const std::string& op_name, const Streams& streams) {
   const std::string fn = "ringreduce.reduce_scatter";
   const std::string transport = transport_setting(fn);
+  const bool cuda_half_once = cuda_half_once_setting(fn);
   check_ranks(fn, "inputs", inputs, false);
   const rr::DType dtype = rr::dtype_of(inputs[0], fn, "inputs");
   const rr::Op op = rr::op_for(op_name, dtype, fn);
@@ -702,8 +741,17 @@ std::vector<std::string> reduce_scatter(const std::vector<at::Tensor>& inputs,
   for (const at::Tensor& w : work) work_ptrs.push_back(w.defined() ? w.data_ptr() : nullptr);
   const rr::Plan plan = rr::reduce_scatter_plan(in_ptrs.data(), out_ptrs.data(), work_ptrs.data(),
                                                 nranks, count, inputs[0].element_size());
+  // RINGREDUCE_CUDA_HALF_ROUNDING=once: every rank sums its block of every input once-rounded.
+  const bool once = cuda_half_once && nranks >= 2 && rr::oneshot_rounds_once(dtype, op);
+  const std::vector<const void*> once_in(in_ptrs.begin(), in_ptrs.end());
+  rr::OnceCall call;
+  call.kind = rr::OnceCall::ReduceScatter;
+  call.in = once_in.data();
+  call.out = out_ptrs.data();
+  call.nranks = nranks;
+  call.count = count;
   return execute(plan, dtype, op, inputs, concat(concat(inputs, outputs), work), outputs,
-                 streams, transport);
+                 streams, transport, nullptr, once ? &call : nullptr);
 }
 
 // Test and measurement hook for the fused ring kernel (fused_cuda.h), beside the path of

@@ -361,19 +361,23 @@ def test_fused_kernel_gives_the_ring_bits(dtype, op, nranks):
                 assert torch.equal(t.cpu().view(torch.uint8), want), (count, blocks, r)
 
 
-def _in_place_and_into_poison(inputs, op, want, label):
-    """Two CUDA all_reduces of the CPU tensors `inputs`: in place, then into outputs filled with
-    0x5A bytes; every rank's result must have the bytes `want` and the second call's inputs
-    must stay unchanged."""
+def _in_place_and_into_poison(inputs, op, want, label, streams=None):
+    """Two CUDA all_reduces of the CPU tensors `inputs` (on `streams`, if given): in place, then
+    into outputs filled with 0x5A bytes; every rank's result must have the bytes `want` and the
+    second call's inputs must stay unchanged."""
     tensors = [x.cuda() for x in inputs]
-    ringreduce.all_reduce(tensors, op)
+    torch.cuda.synchronize()
+    ringreduce.all_reduce(tensors, op, streams=streams)
+    torch.cuda.synchronize()
     for r, t in enumerate(tensors):
         assert torch.equal(t.cpu().view(torch.uint8), want), (label, r)
     sources = [x.cuda() for x in inputs]
     outputs = [torch.empty_like(t) for t in sources]
     for o in outputs:
         o.view(torch.uint8).fill_(0x5A)
-    ringreduce.all_reduce(sources, op, outputs=outputs)
+    torch.cuda.synchronize()
+    ringreduce.all_reduce(sources, op, outputs=outputs, streams=streams)
+    torch.cuda.synchronize()
     for r, (src, o) in enumerate(zip(sources, outputs)):
         assert torch.equal(o.cpu().view(torch.uint8), want), (label, r)
         assert torch.equal(src.cpu(), inputs[r]), (label, r)
@@ -458,6 +462,96 @@ def test_cuda_half_rounding_once_gives_the_cpu_bits(dtype, op, nranks, monkeypat
                                              want)
         _in_place_and_into_poison(inputs, op, want, count)
     assert differs or nranks == 2, "the per-hop ring gave the once-rounded bits everywhere"
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16],
+                         ids=lambda v: str(v).replace("torch.", ""))
+@pytest.mark.parametrize("op", ["sum", "avg"])
+@pytest.mark.parametrize("nranks", [2, 3, 4, 7])
+@pytest.mark.parametrize("layout", ["streams", "copy"])
+def test_cuda_half_rounding_once_two_shot_gives_the_cpu_bits(dtype, op, nranks, layout,
+                                                            monkeypatch):
+    """RINGREDUCE_CUDA_HALF_ROUNDING=once where the one-shot does not run: a stream per rank
+    (lanes ordered by events, as distinct GPUs are) or the copy transport (every read staged
+    through cudaMemcpyPeerAsync) run the once-rounded two-shot (cuda_executor.h
+    run_once_rounded), which must give once_rounded_model's bits and the CPU path's, in place
+    and into poisoned outputs, at sizes where some ranks' chunks are empty (1, 33) and at large
+    ones. From 3 ranks the per-hop ring's bits differ somewhere on these inputs."""
+    seed = 4848 + nranks * 10 + len(op)
+    print(f"seed {seed}")
+    g = torch.Generator().manual_seed(seed)
+    monkeypatch.setenv("RINGREDUCE_CUDA_HALF_ROUNDING", "once")
+    monkeypatch.delenv("RINGREDUCE_HALF_ROUNDING", raising=False)
+    if layout == "copy":
+        monkeypatch.setenv("RINGREDUCE_TRANSPORT", "copy")
+        streams = None
+    else:
+        streams = [torch.cuda.Stream() for _ in range(nranks)]
+    differs = False
+    for count in (1, 33, 4099, (1 << 18) + 5):
+        inputs = random_inputs(nranks, count, dtype, op, generator=g)
+        want = once_rounded_model(inputs, op).view(torch.uint8)
+        differs = differs or not torch.equal(ring_model(inputs, op, "per_hop").view(torch.uint8),
+                                             want)
+        _in_place_and_into_poison(inputs, op, want, (layout, count), streams=streams)
+    assert differs or nranks == 2, "the per-hop ring gave the once-rounded bits everywhere"
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16],
+                         ids=lambda v: str(v).replace("torch.", ""))
+@pytest.mark.parametrize("op", ["sum", "avg"])
+@pytest.mark.parametrize("nranks", [2, 3, 4, 7])
+@pytest.mark.parametrize("layout", ["stream", "streams", "copy"])
+def test_cuda_half_rounding_once_reduce_and_reduce_scatter_give_the_cpu_bits(
+        dtype, op, nranks, layout, monkeypatch):
+    """RINGREDUCE_CUDA_HALF_ROUNDING=once: the list API's reduce (into a poisoned output, and in
+    place at the root) and reduce_scatter (into poisoned outputs, and in place: block r of
+    inputs[r]) run run_once_rounded on one stream, on a stream per rank and with the copy
+    transport, and give once_rounded_model's bits; inputs not written stay unchanged."""
+    seed = 4949 + nranks * 10 + len(op)
+    print(f"seed {seed}")
+    g = torch.Generator().manual_seed(seed)
+    monkeypatch.setenv("RINGREDUCE_CUDA_HALF_ROUNDING", "once")
+    if layout == "copy":
+        monkeypatch.setenv("RINGREDUCE_TRANSPORT", "copy")
+    streams = [torch.cuda.Stream() for _ in range(nranks)] if layout == "streams" else None
+    bits = lambda t: t.cpu().view(torch.uint8)  # noqa: E731
+    for count in (1, 33, 4099, (1 << 18) + 5):
+        inputs = random_inputs(nranks, count, dtype, op, generator=g)
+        want = bits(once_rounded_model(inputs, op))
+        root = count % nranks
+        tensors = [x.cuda() for x in inputs]
+        output = torch.empty_like(tensors[root])
+        output.view(torch.uint8).fill_(0x5A)
+        torch.cuda.synchronize()
+        ringreduce.reduce(tensors, output, root=root, op=op, streams=streams)
+        torch.cuda.synchronize()
+        assert torch.equal(bits(output), want), ("reduce", count)
+        assert all(torch.equal(t.cpu(), x) for t, x in zip(tensors, inputs)), ("reduce", count)
+        ringreduce.reduce(tensors, root=root, op=op, streams=streams)
+        torch.cuda.synchronize()
+        assert torch.equal(bits(tensors[root]), want), ("reduce in place", count)
+
+        blocks = random_inputs(nranks, nranks * count, dtype, op, generator=g)
+        wants = [bits(once_rounded_model([b[r * count:(r + 1) * count] for b in blocks], op))
+                 for r in range(nranks)]
+        sources = [b.cuda() for b in blocks]
+        outputs = [torch.empty(count, dtype=dtype, device="cuda") for _ in range(nranks)]
+        for o in outputs:
+            o.view(torch.uint8).fill_(0x5A)
+        torch.cuda.synchronize()
+        ringreduce.reduce_scatter(sources, outputs, op=op, streams=streams)
+        torch.cuda.synchronize()
+        for r in range(nranks):
+            assert torch.equal(bits(outputs[r]), wants[r]), ("reduce_scatter", count, r)
+            assert torch.equal(sources[r].cpu(), blocks[r]), ("reduce_scatter", count, r)
+        ringreduce.reduce_scatter(sources, [s[r * count:(r + 1) * count]
+                                            for r, s in enumerate(sources)], op=op,
+                                  streams=streams)
+        torch.cuda.synchronize()
+        for r in range(nranks):
+            assert torch.equal(bits(sources[r][r * count:(r + 1) * count]), wants[r]), (
+                "reduce_scatter in place", count, r)
 
 
 def test_fused_kernel_refuses_too_many_blocks_and_stale_epochs():

@@ -6,7 +6,8 @@ cudaLaunchKernel runs the real kernels' bodies, checked against the CPU executor
 per call: the CUDA runtime calls by name, the kernel launches, the bytes of their parameters and
 the executor's heap allocations. Four int32 ranks of 1000 elements, sum; one lane (simulated
 ranks on one stream; also 12 ranks, more than one step kernel takes), a stream per rank on one
-device, a device per rank, every hop staged, and one lane under stream capture (a CUDA graph's replay runs what the capture recorded: one
+device, a device per rank, every hop staged, the once-rounded two-shot of bfloat16 sums (a
+device per rank, a stream per rank, staged), and one lane under stream capture (a CUDA graph's replay runs what the capture recorded: one
 cudaGraphLaunch, none of this host code). The steady state is a later call, after every cache
 is warm; the first call also pays what is made once (events, occupancy).
 
@@ -79,6 +80,35 @@ PINNED = {
                 cudaLaunchKernel=3, cudaMemcpyPeerAsync=24, cudaStreamIsCapturing=1),
         0: dict(launches=3, param_bytes=792, allocations=0,
                 cudaLaunchKernel=3, cudaMemcpyPeerAsync=24, cudaStreamIsCapturing=1),
+    },
+    # RINGREDUCE_CUDA_HALF_ROUNDING=once on several lanes, or with staging: the once-rounded
+    # two-shot (run_once_rounded), bfloat16 sums checked against rr::cpu::all_reduce_once. Per
+    # rank one chunk kernel (the one-shot's 1064-byte parameters) and one all-gather step
+    # kernel of 3 copies (264 bytes) where peers are read directly; staged, 3 copies in and 3
+    # out per rank. Three barriers in which every lane waits for the other 3 (36 waits). Its
+    # events are the ring's (made by ring_devices and ring_virtual, which run first).
+    "twoshot_devices": {
+        2: dict(launches=8, param_bytes=5312, allocations=0,
+                cudaEventRecord=12, cudaLaunchKernel=8, cudaSetDevice=36,
+                cudaStreamIsCapturing=4, cudaStreamWaitEvent=36),
+        0: dict(launches=8, param_bytes=5312, allocations=9,
+                cudaEventRecord=12, cudaLaunchKernel=8,
+                cudaOccupancyMaxActiveBlocksPerMultiprocessor=7, cudaSetDevice=36,
+                cudaStreamIsCapturing=4, cudaStreamWaitEvent=36),
+    },
+    "twoshot_virtual": {
+        2: dict(launches=8, param_bytes=5312, allocations=0,
+                cudaEventRecord=12, cudaLaunchKernel=8, cudaStreamIsCapturing=4,
+                cudaStreamWaitEvent=36),
+        0: dict(launches=8, param_bytes=5312, allocations=0,
+                cudaEventRecord=12, cudaLaunchKernel=8, cudaStreamIsCapturing=4,
+                cudaStreamWaitEvent=36),
+    },
+    "twoshot_staged": {
+        2: dict(launches=4, param_bytes=4256, allocations=0,
+                cudaLaunchKernel=4, cudaMemcpyPeerAsync=24, cudaStreamIsCapturing=1),
+        0: dict(launches=4, param_bytes=4256, allocations=0,
+                cudaLaunchKernel=4, cudaMemcpyPeerAsync=24, cudaStreamIsCapturing=1),
     },
     "capture_oneshot": {
         2: dict(launches=1, param_bytes=1064, allocations=0,

@@ -7,7 +7,10 @@ allows, including one that runs a chosen lane as far ahead as its waits let it) 
 tests/fake_cuda/lanes_driver.cpp: ranks on distinct devices, on distinct streams of one device
 ("virtual devices"), mixed, and without peer access; every collective of the list API; both
 transports; several calls back to back with the user's own work queued between them, checked
-byte for byte against the CPU executor. It cannot check the kernels or anything about real
+byte for byte against the CPU executor; and the once-rounded two-shot all-reduce of float16 and
+bfloat16 sums (run_once_rounded: all_reduce, reduce, reduce_scatter) on the same layouts against
+the CPU's once-rounded functions. It
+cannot check the kernels or anything about real
 GPUs: tests/test_cuda.py and tests/test_cuda_review.py do, on a GPU.
 """
 import os
@@ -73,16 +76,28 @@ def test_every_per_step_wait_is_needed(driver):
     """Dropping any one per-step wait gives wrong bytes under some schedule: the harness can
     see a missing wait, so the matrix above would. The entry and exit barriers wait on ring
     neighbours only: with a lane per rank, 2 waits a lane at each (N-1 if every lane waited on
-    every other), of which some are needed."""
+    every other), of which some are needed. The once-rounded two-shot (all_reduce_once) reads
+    every rank's memory: its entry and exit barriers make every lane wait for every other
+    (N(N-1) waits with a lane per rank), and every one of the waits between its halves (counted
+    here as per-step waits; the once-rounded reduce: the root's N-1) is needed."""
     out = run(driver, "dropwait")
     lines = re.findall(r"dropwait (\S+) n=(\d) (\S+): per-step waits (\d+) caught (\d+); "
                        r"barrier waits (\d+) caught (\d+)", out)
-    assert len(lines) >= 8, out
+    assert len(lines) >= 12, out
+    assert sum(coll == "all_reduce_once" for _, _, coll, *_ in lines) >= 4, out
+    assert sum(coll == "reduce_once" for _, _, coll, *_ in lines) >= 4, out
     for layout, n, coll, steps, caught, barrier, barrier_caught in lines:
+        n = int(n)
         assert int(steps) > 0 and caught == steps, (layout, n, coll, out)
         assert int(barrier_caught) > 0, (layout, n, coll, out)
         if layout in ("devices", "virtual", "nopeer"):
-            assert int(barrier) == 2 * int(n) * min(2, int(n) - 1), (layout, n, coll, out)
+            if coll in ("all_reduce_once", "reduce_once"):
+                # The reduce's root alone waits between the halves.
+                assert int(steps) == (n if coll == "all_reduce_once" else 1) * (n - 1), (
+                    layout, n, coll, out)
+                assert int(barrier) == 2 * n * (n - 1), (layout, n, coll, out)
+            else:
+                assert int(barrier) == 2 * n * min(2, n - 1), (layout, n, coll, out)
 
 
 def test_distinct_devices_ring_p2p_and_staged(driver):

@@ -64,6 +64,29 @@ struct RunOptions {
 void run(const Plan& plan, const int* rank_lane, int nranks, const Lane* lanes, int nlanes,
          DType dtype, Op op, const RunOptions& options);
 
+using ::rr::OnceCall;  // a once-rounded collective (plan.h)
+
+// A once-rounded collective on any layout: every result element is round16(in[0][i] + in[1][i]
+// + ... + in[N-1][i], accumulated in fp32 in rank order; avg divided by N in fp32), the bits of
+// rr::cpu::all_reduce_once / reduce_scatter_once / sum_rounded_once. Each rank on
+// lanes[rank_lane[r]]:
+//   the sums: rank r reads its piece of every input (all_reduce and reduce: chunk r,
+//     chunk_range; reduce_scatter: block r) and writes the once-rounded sum (one kernel,
+//     launch_chunk_once) to its piece of out[r] (all_reduce), to out[r] (reduce_scatter), to
+//     chunk r of the root's output (reduce, the root) or of work[r] (reduce, the others);
+//   the gathers: all_reduce: rank r copies chunk c of out[c] into out[r] for every other c;
+//     reduce: the root copies chunk c of work[c] into its output (step kernels).
+// An all-reduce (the two-shot) reads S bytes and writes S/N a rank in the first half, (N-1)S/N
+// each way in the second: the ring's remote traffic in 2 kernels a rank instead of 2(N-1).
+// Every rank reads every other rank's memory: pairs of devices without peer access
+// (RunOptions::peer_access, asked for every such pair) and every pair under force_copy go
+// through cudaMemcpyPeerAsync (a staging slot per piece read for a sum, straight into place for
+// a gather). 2 <= nranks <= 64, count >= 0. Ordering, failure and capture as run(): with
+// several lanes, barriers in which every lane waits for every other (entry, between the halves
+// where there is a gather, exit).
+void run_once_rounded(const OnceCall& call, const int* rank_lane, const Lane* lanes, int nlanes,
+                      DType dtype, Op op, const RunOptions& options);
+
 // The capture check run() starts with, for callers that launch on lanes themselves (the
 // bindings' one-shot path): true if a lane's stream is being captured; throws the refusal
 // ("cannot be captured") when several lanes are given and one of them is, and when a lane is

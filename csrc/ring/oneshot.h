@@ -77,6 +77,11 @@ struct OneshotArgs {
   const void* in[kOneshotMaxRanks];
   void* out[kOneshotMaxRanks];
   int nranks;
+  // The outputs written, out[0..nout): nranks for an all-reduce; 1 for one rank's piece of a
+  // once-rounded collective on several lanes (cuda_executor.h run_once_rounded), whose in[]
+  // are every rank's piece. Only the once-rounded body takes nout < nranks (the ring-order
+  // body's chunk_of needs the whole tensor).
+  int nout;
   int64_t count;
   // Bit r: in[r] (out[r]) is 16-byte aligned, so its packs move as one 16-byte access; the
   // packs of a rank that is not are loaded and stored lane by lane, and only that rank's
@@ -85,21 +90,31 @@ struct OneshotArgs {
   bool vec;  // some in[] or out[] is 16-byte aligned: the body moves Pack<T>s
 };
 
+// `nout` outputs (1 <= nout <= nranks), or nranks when nout is 0.
 inline OneshotArgs make_oneshot_args(const void* const* in, void* const* out, int nranks,
-                                     int64_t count) {
+                                     int64_t count, int nout = 0) {
   if (nranks < 1 || nranks > kOneshotMaxRanks) {
     throw std::invalid_argument("ringreduce: the one-shot all-reduce takes 1 to " +
                                 std::to_string(kOneshotMaxRanks) + " ranks, got nranks=" +
                                 std::to_string(nranks));
   }
+  if (nout == 0) nout = nranks;
+  if (nout < 1 || nout > nranks) {
+    throw std::invalid_argument("ringreduce: the one-shot kernel writes 1 to nranks=" +
+                                std::to_string(nranks) + " outputs, got " +
+                                std::to_string(nout));
+  }
   OneshotArgs a{};
   for (int r = 0; r < nranks; ++r) {
     a.in[r] = in[r];
-    a.out[r] = out[r];
     if ((reinterpret_cast<uintptr_t>(in[r]) & 15) == 0) a.in_packed |= uint64_t(1) << r;
+  }
+  for (int r = 0; r < nout; ++r) {
+    a.out[r] = out[r];
     if ((reinterpret_cast<uintptr_t>(out[r]) & 15) == 0) a.out_packed |= uint64_t(1) << r;
   }
   a.nranks = nranks;
+  a.nout = nout;
   a.count = count;
   a.vec = (a.in_packed | a.out_packed) != 0;
   return a;
@@ -170,7 +185,8 @@ RR_HD void oneshot_thread(const OneshotArgs& a, int64_t first, int64_t stride) {
 // kernel give the same bits. Plain fp32 adds and one IEEE division (no fused operation can
 // apply; nvcc divides to IEEE unless --use_fast_math or -prec-div=false, which the builds do not
 // pass). One thread, as oneshot_thread: packs first, then the elements after the last pack;
-// all N inputs of an index are read before any output of it is written (in place is safe).
+// all N inputs of an index are read before any of its outputs, out[0..nout), is written (in
+// place is safe).
 template <typename T, Op op>
 RR_HD T round_sum_once(float acc, int nranks) {
   if (op == Op::Avg) acc /= float(nranks);
@@ -194,7 +210,7 @@ RR_HD void oneshot_once_thread(const OneshotArgs& a, int64_t first, int64_t stri
       }
       Pack<T> y;
       for (int l = 0; l < kLanes; ++l) y.lane[l] = round_sum_once<T, op>(acc[l], a.nranks);
-      for (int r = 0; r < a.nranks; ++r) store_pack<T>(a.out[r], v, y, (a.out_packed >> r) & 1);
+      for (int r = 0; r < a.nout; ++r) store_pack<T>(a.out[r], v, y, (a.out_packed >> r) & 1);
     }
     head = npacks * kLanes;
   }
@@ -203,7 +219,7 @@ RR_HD void oneshot_once_thread(const OneshotArgs& a, int64_t first, int64_t stri
     RR_ONESHOT_UNROLL
     for (int r = 1; r < a.nranks; ++r) acc += to_float(static_cast<const T*>(a.in[r])[i]);
     const T y = round_sum_once<T, op>(acc, a.nranks);
-    for (int r = 0; r < a.nranks; ++r) static_cast<T*>(a.out[r])[i] = y;
+    for (int r = 0; r < a.nout; ++r) static_cast<T*>(a.out[r])[i] = y;
   }
 }
 

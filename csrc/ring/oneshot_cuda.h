@@ -26,12 +26,25 @@ namespace cuda {
 void launch_oneshot(const void* const* in, void* const* out, int nranks, int64_t count,
                     DType dtype, Op op, cudaStream_t stream, int device, bool once = false);
 
+// One rank's piece of a once-rounded collective (cuda_executor.h run_once_rounded): out = the
+// once-rounded sum of in[0], ..., in[nranks-1] (count elements each, 1 <= nranks <=
+// kOneshotMaxRanks; avg divides by nranks), oneshot_once_thread's arithmetic with one output.
+// float16 and bfloat16 sum and avg only (std::invalid_argument otherwise). out may be one of
+// the in[] (in place); otherwise it overlaps none. Ordering and reachability as
+// launch_oneshot. One runtime call, the launch, once the kernel's occupancy is known.
+void launch_chunk_once(const void* const* in, void* out, int nranks, int64_t count, DType dtype,
+                       Op op, cudaStream_t stream, int device);
+
 // The list API's one-shot all-reduce on one lane (every rank on one stream of lane.device, which
 // is current): check_capture (cuda_executor.h: a refusal on the legacy default stream while
 // another stream captures), then launch_oneshot. Two runtime calls: the capture check and the
-// launch.
-void run_oneshot(const Lane& lane, const void* const* in, void* const* out, int nranks,
-                 int64_t count, DType dtype, Op op, bool once = false);
+// launch. Inline: the backend's extension links the kernels (oneshot_kernel.cu) without the
+// executor (cuda_executor.cu), and never calls this.
+inline void run_oneshot(const Lane& lane, const void* const* in, void* const* out, int nranks,
+                        int64_t count, DType dtype, Op op, bool once = false) {
+  check_capture(&lane, 1, lane.device);
+  launch_oneshot(in, out, nranks, count, dtype, op, lane.stream, lane.device, once);
+}
 
 }  // namespace cuda
 }  // namespace rr

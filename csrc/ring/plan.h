@@ -39,6 +39,25 @@ struct PlanStep {
 
 using Plan = std::vector<PlanStep>;
 
+// A once-rounded collective of float16 / bfloat16 sum or avg (cuda_executor.h
+// run_once_rounded), described without torch or CUDA so that the bindings build one either way.
+struct OnceCall {
+  enum Kind {
+    AllReduce,      // out[r] = the sum of in[0..N), count elements each; out[r] may be in[r]
+    ReduceScatter,  // out[r] = the sum of block r (count elements) of every in[] (N * count
+                    // each); out[r] may be block r of in[r]
+    Reduce,         // out[0] = the sum of in[0..N) (count each), on the root's device; it may
+                    // be in[root]; work[r]: count elements on rank r's device (not the root's)
+  };
+  Kind kind = AllReduce;
+  const void* const* in = nullptr;
+  void* const* out = nullptr;
+  void* const* work = nullptr;
+  int nranks = 0;
+  int64_t count = 0;
+  int root = 0;
+};
+
 namespace plan_detail {
 
 inline char* at(void* base, int64_t elems, int64_t esize) {

@@ -62,7 +62,7 @@ struct Driver {
 };
 
 enum class Path { Oneshot, OneshotOnce, Ring, RingMany, RingVirtual, RingDevices, Staged,
-                  CaptureOneshot, CaptureRing };
+                  CaptureOneshot, CaptureRing, Twoshot };
 
 struct Setup {
   const char* name;
@@ -85,8 +85,14 @@ std::vector<Setup> setups() {
       {"staged", Path::Staged, {0}, one, true},
       {"capture_oneshot", Path::CaptureOneshot, {0}, one, false, true},
       {"capture_ring", Path::CaptureRing, {0}, one, false, true},
+      // The once-rounded all-reduce (run_once_rounded: the two-shot), bfloat16 sums as oneshot_once.
+      {"twoshot_devices", Path::Twoshot, {0, 1, 2, 3}, each},
+      {"twoshot_virtual", Path::Twoshot, {0, 0, 0, 0}, each},
+      {"twoshot_staged", Path::Twoshot, {0}, one, true},
   };
 }
+
+bool bf16(Path p) { return p == Path::OneshotOnce || p == Path::Twoshot; }
 
 bool oneshot(Path p) { return p == Path::Oneshot || p == Path::CaptureOneshot; }
 
@@ -148,7 +154,7 @@ int run(const Setup& setup, int calls, bool print) {
     std::vector<void*> ptrs;
     std::vector<const void*> cptrs;
     for (int r = 0; r < nranks; ++r) {
-      if (setup.path == Path::OneshotOnce) {
+      if (bf16(setup.path)) {
         fill_bf16(dev[size_t(r)], r, call);
         fill_bf16(ref[size_t(r)], r, call);
       } else {
@@ -168,6 +174,14 @@ int run(const Setup& setup, int calls, bool print) {
     } else if (setup.path == Path::OneshotOnce) {
       rr::cuda::run_oneshot(lanes[0], cptrs.data(), ptrs.data(), nranks, 2 * kCount,
                             DType::BF16, Op::Sum, true);
+    } else if (setup.path == Path::Twoshot) {
+      rr::cuda::OnceCall once;
+      once.in = cptrs.data();
+      once.out = ptrs.data();
+      once.nranks = nranks;
+      once.count = 2 * kCount;
+      rr::cuda::run_once_rounded(once, setup.rank_lane.data(), lanes.data(), int(lanes.size()),
+                                 DType::BF16, Op::Sum, options);
     } else {
       rr::cuda::run(plan, setup.rank_lane.data(), nranks, lanes.data(), int(lanes.size()),
                     DType::I32, Op::Sum, options);
@@ -180,7 +194,7 @@ int run(const Setup& setup, int calls, bool print) {
     if (!fake_drain()) ++wrong;
     std::vector<void*> refs;
     for (auto& v : ref) refs.push_back(v.data());
-    if (setup.path == Path::OneshotOnce) {
+    if (bf16(setup.path)) {
       rr::cpu::all_reduce_once(refs.data(), refs.data(), nranks, 2 * kCount, DType::BF16,
                                Op::Sum);
     } else {

@@ -1,7 +1,8 @@
 // The lazy fake CUDA runtime of include/fake_lanes.h, plus launch_step of
-// csrc/ring/cuda_kernels.h (the executor's kernels, run by the CPU executor's combine). That
-// launch_step is weak: tests/test_cuda_host_cost.py links the real one (cuda_kernels.cu compiled
-// by the host compiler), whose kernels run through cudaLaunchKernel below.
+// csrc/ring/cuda_kernels.h and launch_chunk_once of oneshot_cuda.h (the executors' kernels, run
+// by the CPU executor's combine and once-rounded sum). Both are weak:
+// tests/test_cuda_host_cost.py links the real ones (cuda_kernels.cu and oneshot_kernel.cu
+// compiled by the host compiler), whose kernels run through cudaLaunchKernel below.
 // Single-threaded: the executor queues, fake_drain() runs.
 #include "fake_lanes.h"
 
@@ -18,6 +19,7 @@
 
 #include "ring/cpu_executor.h"
 #include "ring/cuda_kernels.h"
+#include "ring/oneshot_cuda.h"
 
 struct FakeEvent {
   int device;
@@ -530,6 +532,28 @@ __attribute__((weak)) void launch_step(const Task* tasks, int ntasks, DType dtyp
       }
     }
   };
+  queue(s, std::move(o), 'L');
+}
+
+__attribute__((weak)) void launch_chunk_once(const void* const* in, void* out, int nranks,
+                                             int64_t count, DType dtype, Op op,
+                                             cudaStream_t stream, int device) {
+  if (inject_failure()) throw std::runtime_error("ringreduce: injected launch failure");
+  FakeStream* s = resolve(stream);
+  if (device != g.current || s->device != g.current) {
+    throw std::runtime_error("fake_lanes: launch_chunk_once on a stream of cuda:" +
+                             std::to_string(s->device) + " told cuda:" + std::to_string(device) +
+                             " while cuda:" + std::to_string(g.current) + " is current");
+  }
+  if (nranks > kMaxRanks) throw std::runtime_error("fake_lanes: too many inputs in one launch");
+  std::vector<const void*> srcs(in, in + nranks);
+  check_access(out, s->device, "writes");
+  for (const void* p : srcs) {
+    check_access(p, s->device, "reads");
+    if (in_staging(p) && reinterpret_cast<uintptr_t>(p) % 16 != 0) ++g.misaligned_staged;
+  }
+  FakeOperation o;
+  o.fn = [=] { rr::cpu::sum_rounded_once(dtype, op, out, srcs.data(), nranks, count); };
   queue(s, std::move(o), 'L');
 }
 

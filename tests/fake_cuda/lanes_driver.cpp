@@ -71,7 +71,10 @@ std::vector<Layout> layouts(int n) {
   return out;
 }
 
-enum class Coll { AllReduce, AllReduceOut, Reduce, Broadcast, AllGather, ReduceScatter };
+// ...Once: the once-rounded collectives (run_once_rounded), float16 and bfloat16 sum and avg,
+// against rr::cpu::all_reduce_once, reduce_scatter_once and sum_rounded_once.
+enum class Coll { AllReduce, AllReduceOut, Reduce, Broadcast, AllGather, ReduceScatter,
+                  AllReduceOnce, AllReduceOnceOut, ReduceOnce, ReduceScatterOnce };
 const char* coll_name(Coll c) {
   switch (c) {
     case Coll::AllReduce: return "all_reduce";
@@ -80,11 +83,20 @@ const char* coll_name(Coll c) {
     case Coll::Broadcast: return "broadcast";
     case Coll::AllGather: return "all_gather";
     case Coll::ReduceScatter: return "reduce_scatter";
+    case Coll::AllReduceOnce: return "all_reduce_once";
+    case Coll::AllReduceOnceOut: return "all_reduce_once(outputs)";
+    case Coll::ReduceOnce: return "reduce_once";
+    case Coll::ReduceScatterOnce: return "reduce_scatter_once";
   }
   return "?";
 }
 const Coll kColls[] = {Coll::AllReduce, Coll::AllReduceOut, Coll::Reduce, Coll::Broadcast,
-                       Coll::AllGather, Coll::ReduceScatter};
+                       Coll::AllGather, Coll::ReduceScatter, Coll::AllReduceOnce,
+                       Coll::AllReduceOnceOut, Coll::ReduceOnce, Coll::ReduceScatterOnce};
+bool once(Coll c) {
+  return c == Coll::AllReduceOnce || c == Coll::AllReduceOnceOut || c == Coll::ReduceOnce ||
+         c == Coll::ReduceScatterOnce;
+}
 
 // One rank's memory: an input, an output and a workspace, each big enough for N blocks.
 struct Rank {
@@ -132,8 +144,72 @@ rr::Plan make_plan(Coll c, std::vector<Rank>& ranks, int64_t count, int root, in
     case Coll::AllGather: return rr::all_gather_plan(cin.data(), out.data(), n, count, esize);
     case Coll::ReduceScatter:
       return rr::reduce_scatter_plan(cin.data(), out.data(), work.data(), n, count, esize);
+    default:
+      break;
   }
   return {};
+}
+
+// A once-rounded collective over `ranks`' memory, in the aliasing each allows: all_reduce in
+// place (out[r] = in[r]) or into out; reduce into the root's out, or in place at even roots;
+// reduce_scatter into out, or in place (block r of in[r]) on even calls.
+struct OnceBuffers {
+  std::vector<const void*> in;
+  std::vector<void*> out, work;
+  rr::cuda::OnceCall call;
+};
+void once_call(Coll c, std::vector<Rank>& ranks, int64_t count, int root, int call,
+               OnceBuffers* b) {
+  const int n = int(ranks.size());
+  const int64_t esize = 2;
+  for (Rank& r : ranks) {
+    b->in.push_back(r.in.data());
+    b->work.push_back(r.work.data());
+  }
+  b->call.in = b->in.data();
+  b->call.nranks = n;
+  b->call.count = count;
+  b->call.root = root;
+  b->call.work = b->work.data();
+  switch (c) {
+    case Coll::AllReduceOnce:
+    case Coll::AllReduceOnceOut:
+      for (Rank& r : ranks) b->out.push_back(c == Coll::AllReduceOnce ? r.in.data() : r.out.data());
+      b->call.kind = rr::cuda::OnceCall::AllReduce;
+      break;
+    case Coll::ReduceOnce:
+      b->out.push_back(call % 2 == 0 ? ranks[size_t(root)].in.data()
+                                     : ranks[size_t(root)].out.data());
+      b->call.kind = rr::cuda::OnceCall::Reduce;
+      break;
+    default:
+      for (int r = 0; r < n; ++r) {
+        b->out.push_back(call % 2 == 0 ? ranks[size_t(r)].in.data() + r * count * esize
+                                       : ranks[size_t(r)].out.data());
+      }
+      b->call.kind = rr::cuda::OnceCall::ReduceScatter;
+      break;
+  }
+  b->call.out = b->out.data();
+}
+
+// The CPU's once-rounded bits of the same call.
+void once_reference(std::vector<Rank>& ranks, int64_t count, int root, int call, Coll c,
+                    DType dtype, Op op) {
+  OnceBuffers b;
+  once_call(c, ranks, count, root, call, &b);
+  const int n = int(ranks.size());
+  switch (b.call.kind) {
+    case rr::cuda::OnceCall::AllReduce:
+      rr::cpu::all_reduce_once(b.in.data(), b.out.data(), n, count, dtype, op);
+      break;
+    case rr::cuda::OnceCall::Reduce:
+      rr::cpu::sum_rounded_once(dtype, op, b.out[0], b.in.data(), n, count);
+      break;
+    case rr::cuda::OnceCall::ReduceScatter:
+      rr::cpu::reduce_scatter_once(b.in.data(), b.out.data(), n, count, dtype, op);
+      break;
+  }
 }
 
 // A staging allocator like a stream-ordered caching allocator: a lane's buffer is reused by
@@ -234,7 +310,8 @@ std::string describe(const Scenario& s) {
   return d;
 }
 
-Op op_of(DType dtype, int call) {
+Op op_of(DType dtype, int call, Coll c) {
+  if (once(c)) return call % 2 == 0 ? Op::Sum : Op::Avg;
   static const Op ints[] = {Op::Sum, Op::Max, Op::BXor, Op::Avg, Op::Min, Op::Prod};
   static const Op floats[] = {Op::Sum, Op::Max, Op::Avg, Op::Min};
   return dtype == DType::I32 ? ints[call % 6] : floats[call % 4];
@@ -254,7 +331,11 @@ void user_before(Rank& r, const Scenario& s, int call, int rank) {
   if (call % 2 == 0) fill(r.in, s.dtype, uint64_t(call) * 131 + uint64_t(rank) + 7);
 }
 void user_after(Rank& r, const Scenario& s, int call, int rank) {
-  if (s.coll != Coll::AllReduce && s.coll != Coll::Broadcast) {
+  const bool in_place = s.coll == Coll::AllReduce || s.coll == Coll::Broadcast ||
+                        s.coll == Coll::AllReduceOnce ||
+                        ((s.coll == Coll::ReduceOnce || s.coll == Coll::ReduceScatterOnce) &&
+                         call % 2 == 0);  // once_call's in-place calls
+  if (!in_place) {
     fill(r.in, s.dtype, uint64_t(call) * 977 + uint64_t(rank) + 3);
     return;
   }
@@ -316,7 +397,7 @@ Outcome run(const Scenario& s, long fail_call = -1, int fail_at = -1) {
   options.alloc = stager.alloc();
   for (int call = 0; call < s.calls; ++call) {
     const int64_t count = count_of(call);
-    const Op op = op_of(s.dtype, call);
+    const Op op = op_of(s.dtype, call, s.coll);
     const int root = call % s.n;
     for (int r = 0; r < s.n; ++r) {
       Rank* d = &dev[size_t(r)];
@@ -329,8 +410,15 @@ Outcome run(const Scenario& s, long fail_call = -1, int fail_at = -1) {
     if (failing) fake_fail_call(fail_call);
     if (s.drop_wait >= 0) fake_drop_wait(s.drop_wait);
     try {
-      rr::cuda::run(make_plan(s.coll, dev, count, root, esize), s.layout.rank_lane.data(), s.n,
-                    lanes.data(), int(lanes.size()), s.dtype, op, options);
+      if (once(s.coll)) {
+        OnceBuffers b;
+        once_call(s.coll, dev, count, root, call, &b);
+        rr::cuda::run_once_rounded(b.call, s.layout.rank_lane.data(), lanes.data(),
+                                   int(lanes.size()), s.dtype, op, options);
+      } else {
+        rr::cuda::run(make_plan(s.coll, dev, count, root, esize), s.layout.rank_lane.data(),
+                      s.n, lanes.data(), int(lanes.size()), s.dtype, op, options);
+      }
       if (failing) {
         o.ok = false;
         o.error = "no exception from an injected error";
@@ -350,7 +438,11 @@ Outcome run(const Scenario& s, long fail_call = -1, int fail_at = -1) {
     if (failing) o.failed_log = o.log;
     o.failable = fake_failable_calls();
     if (!o.ok) break;
-    if (!failing) rr::cpu::run(make_plan(s.coll, ref, count, root, esize), s.dtype, op, s.n);
+    if (!failing && once(s.coll)) {
+      once_reference(ref, count, root, call, s.coll, s.dtype, op);
+    } else if (!failing) {
+      rr::cpu::run(make_plan(s.coll, ref, count, root, esize), s.dtype, op, s.n);
+    }
     for (int r = 0; r < s.n; ++r) {
       Rank* d = &dev[size_t(r)];
       fake_enqueue(lane_stream[size_t(s.layout.rank_lane[size_t(r)])],
@@ -411,8 +503,14 @@ std::vector<Scenario> collectives(const Layout& layout, int n) {
   std::vector<Scenario> out;
   for (Coll c : kColls) {
     for (bool copy : {false, true}) {
-      for (DType dtype : {DType::I32, DType::F16}) {
-        if (dtype == DType::F16 && (c == Coll::Broadcast || c == Coll::AllGather)) continue;
+      for (DType dtype : {DType::I32, DType::F16, DType::BF16}) {
+        // The once-rounded all-reduce: 16-bit floats only; the others: int32, and float16
+        // where they reduce.
+        const bool takes = once(c) ? dtype != DType::I32
+                                   : dtype == DType::I32 ||
+                                         (dtype == DType::F16 && c != Coll::Broadcast &&
+                                          c != Coll::AllGather);
+        if (!takes) continue;
         Scenario base;
         base.layout = layout;
         base.n = n;
@@ -465,12 +563,14 @@ int failures() {
   long cases = 0, bad = 0;
   for (int n : {2, 3, 4}) {
     for (const Layout& layout : layouts(n)) {
-      for (Coll c : {Coll::AllReduce, Coll::ReduceScatter, Coll::Reduce}) {
+      for (Coll c : {Coll::AllReduce, Coll::ReduceScatter, Coll::Reduce, Coll::AllReduceOnce,
+                     Coll::ReduceOnce, Coll::ReduceScatterOnce}) {
         for (bool copy : {false, true}) {
           Scenario s;
           s.layout = layout;
           s.n = n;
           s.coll = c;
+          s.dtype = once(c) ? DType::F16 : DType::I32;
           s.copy = copy;
           s.calls = 3;
           // How many failable calls the middle call makes.
@@ -524,12 +624,13 @@ void stop_capture(const std::vector<rr::cuda::Lane>& lanes) {
 // stream failing the capture query as the legacy stream does while another stream captures);
 // returns the exception's message and, in *log and *peer_calls, what it queued and how often it
 // asked for peer access.
+// `twoshot`: the once-rounded all-reduce of bfloat16 values instead of the ring.
 std::string captured_call(const Layout& layout, int n, bool copy, bool implicit, std::string* log,
-                          long* peer_calls) {
+                          long* peer_calls, bool twoshot) {
   std::vector<Rank> dev(static_cast<size_t>(n));
   for (int r = 0; r < n; ++r) {
     dev[size_t(r)].in.assign(size_t(kCapacity) * 4, 0);
-    fill(dev[size_t(r)].in, DType::I32, uint64_t(r));
+    fill(dev[size_t(r)].in, twoshot ? DType::BF16 : DType::I32, uint64_t(r));
   }
   std::vector<rr::cuda::Lane> lanes;
   for (int d : layout.lane_device) lanes.push_back(rr::cuda::Lane{d, fake_stream(d)});
@@ -544,8 +645,15 @@ std::string captured_call(const Layout& layout, int n, bool copy, bool implicit,
   const long peer_before = g_peer_calls;
   std::string error;
   try {
-    rr::cuda::run(make_plan(Coll::AllReduce, dev, kCapacity, 0, 4), layout.rank_lane.data(), n,
-                  lanes.data(), int(lanes.size()), DType::I32, Op::Sum, options);
+    if (twoshot) {
+      OnceBuffers b;
+      once_call(Coll::AllReduceOnce, dev, kCapacity, 0, 0, &b);
+      rr::cuda::run_once_rounded(b.call, layout.rank_lane.data(), lanes.data(),
+                                 int(lanes.size()), DType::BF16, Op::Sum, options);
+    } else {
+      rr::cuda::run(make_plan(Coll::AllReduce, dev, kCapacity, 0, 4), layout.rank_lane.data(),
+                    n, lanes.data(), int(lanes.size()), DType::I32, Op::Sum, options);
+    }
   } catch (const std::exception& e) {
     error = e.what();
   }
@@ -567,32 +675,36 @@ int capture() {
         layout.direct.assign(size_t(n), 1);
         layout.direct[0] = 0;
       }
-      for (bool copy : {false, true}) {
-        for (bool implicit : {false, true}) {
+      for (int variant = 0; variant < 4; ++variant) {
+        const bool copy = variant & 1, implicit = variant & 2;
+        for (bool twoshot : {false, true}) {
           const bool ok_to_capture = !implicit && layout.lane_device.size() == 1 && !copy;
           std::string log;
           long peer_calls = 0;
-          const std::string error = captured_call(layout, n, copy, implicit, &log, &peer_calls);
+          const std::string error =
+              captured_call(layout, n, copy, implicit, &log, &peer_calls, twoshot);
           const bool said = error.find("cannot be captured") != std::string::npos &&
                             (!implicit || error.find("legacy default stream") != std::string::npos);
-          const char* mode = implicit ? "implicit" : "capturing";
+          const std::string mode =
+              std::string(implicit ? "implicit" : "capturing") + (twoshot ? " twoshot" : "");
           if (peer_calls != 0) {
             ++bad;
             std::printf("FAIL %s n=%d %s %s: peer access asked for %ld times under capture\n",
-                        layout.name.c_str(), n, copy ? "copy" : "p2p", mode, peer_calls);
+                        layout.name.c_str(), n, copy ? "copy" : "p2p", mode.c_str(), peer_calls);
           }
           if (ok_to_capture) {
             if (!error.empty() || log.find_first_not_of('L') != std::string::npos) {
               ++bad;
-              std::printf("FAIL capture of %s n=%d: error '%s', log %s\n", layout.name.c_str(),
-                          n, error.c_str(), log.c_str());
+              std::printf("FAIL capture of %s n=%d%s: error '%s', log %s\n",
+                          layout.name.c_str(), n, twoshot ? " twoshot" : "", error.c_str(),
+                          log.c_str());
             }
             ++captured;
           } else {
             if (!said || !log.empty()) {
               ++bad;
               std::printf("FAIL %s n=%d %s %s: error '%s', queued '%s'\n", layout.name.c_str(),
-                          n, copy ? "copy" : "p2p", mode, error.c_str(), log.c_str());
+                          n, copy ? "copy" : "p2p", mode.c_str(), error.c_str(), log.c_str());
             }
             ++refused;
           }
@@ -602,6 +714,10 @@ int capture() {
           s.n = n;
           s.copy = copy;
           s.calls = 2;
+          if (twoshot) {
+            s.coll = Coll::AllReduceOnce;
+            s.dtype = DType::BF16;
+          }
           const Outcome o = run(s);
           if (!o.ok || !o.match) {
             ++bad;
@@ -646,11 +762,12 @@ int dropwait() {
   for (int n : {3, 4}) {
     for (const Layout& layout : layouts(n)) {
       if (layout.lane_device.size() < 2) continue;
-      for (Coll c : {Coll::AllReduce, Coll::AllGather}) {
+      for (Coll c : {Coll::AllReduce, Coll::AllGather, Coll::AllReduceOnce, Coll::ReduceOnce}) {
         Scenario s;
         s.layout = layout;
         s.n = n;
         s.coll = c;
+        s.dtype = once(c) ? DType::BF16 : DType::I32;
         s.calls = 1;
         const Outcome clean = run(s);
         const std::string& log = clean.log;

@@ -44,7 +44,7 @@ DEFAULT_CUDA_ARCHS = "8.0;9.0"
 EXTENSIONS = {
     "_C": (("bindings.cpp", "ring/*.cpp"), ("ring/*.cu",)),
     "_dist_C": (("multiprocess/*.cpp", "ring/cpu_executor.cpp"),
-                ("multiprocess/*.cu", "ring/cuda_kernels.cu")),
+                ("multiprocess/*.cu", "ring/cuda_kernels.cu", "ring/oneshot_kernel.cu")),
 }
 SOURCE_SUFFIXES = (".cpp", ".cu", ".h", ".cuh")
 

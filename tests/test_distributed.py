@@ -330,6 +330,31 @@ def test_half_rounding_cpu(tmp_path, world):
     values(run_ranks(_half_rounding_only, world, tmp_path, env={"RINGREDUCE_SHM_BYTES": "8192"}))
 
 
+def _cuda_half_rounding_differs(rank, world, store):
+    """Rank 1 asks for once-rounded CUDA sums, rank 0 for per-hop ones: the CUDA collectives
+    would run different protocols, so the group must refuse to form (a CPU group checks it too:
+    the setting travels in the segment header). Returns the error text, or None."""
+    if rank == 1:
+        os.environ["RINGREDUCE_CUDA_HALF_ROUNDING"] = "once"
+    else:
+        os.environ.pop("RINGREDUCE_CUDA_HALF_ROUNDING", None)
+    try:
+        init(rank, world, store, timeout=20.0)
+        dist.all_reduce(torch.ones(4))
+    except Exception as e:  # noqa: BLE001 - the message is the result
+        return str(e)
+    return None
+
+
+def test_ranks_with_different_cuda_half_rounding_refuse_to_form_a_group(tmp_path):
+    """Every rank fails; the one that sees the other's header first names the setting and both
+    values (the other may then find that rank's segment gone)."""
+    msgs = values(run_ranks(_cuda_half_rounding_differs, 2, tmp_path))
+    assert all(m is not None for m in msgs), msgs
+    named = [m for m in msgs if "RINGREDUCE_CUDA_HALF_ROUNDING" in m]
+    assert named and "once" in named[0] and "per_hop" in named[0], msgs
+
+
 @pytest.mark.parametrize("world", [1, 2, 3, 4])
 def test_collectives_cpu(tmp_path, world):
     # A small staging area makes the larger sizes go in several rounds.

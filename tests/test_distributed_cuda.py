@@ -21,8 +21,9 @@ import torch
 import torch.distributed as dist
 
 import ringreduce
-from checks import needs_cuda, segments_of, sleep_cycles
-from reference import ALL_DTYPES, _combine, random_inputs, ring_model, valid_ops
+from checks import assert_same_bits, needs_cuda, segments_of, sleep_cycles
+from reference import (ALL_DTYPES, _combine, fp32_ordered_sum, random_inputs, ring_model,
+                       valid_ops)
 from test_distributed import init, run_ranks, values
 
 # Every rank shares cuda:0. Skips without a GPU or a CUDA build; fails instead under
@@ -145,6 +146,44 @@ def test_collectives_bitwise(tmp_path, world, asynchronous):
         assert checked > 0
         assert teardown_s < 5.0, f"destroy_process_group took {teardown_s:.1f} s"
     assert not segments_of(results.pids), f"left in /dev/shm: {segments_of(results.pids)}"
+
+
+def _once_rounded(rank, world, store):
+    """float16 / bfloat16 sum and avg in a group made under RINGREDUCE_CUDA_HALF_ROUNDING=once:
+    all_reduce (the two-shot) and reduce_scatter_tensor (into a poisoned output, and in place)
+    give the fp32 sum in rank order rounded once, the CPU collectives' bits."""
+    init(rank, world, store)
+    torch.cuda.set_device(DEV)
+    checked = 0
+    for dtype in (torch.bfloat16, torch.float16):
+        for op in ("sum", "avg"):
+            for count in (1, 7, 33, 4099, BIG):
+                case = f"{dtype} {op} world={world} count={count}"
+                g = torch.Generator().manual_seed(4700 + checked)
+                inputs = random_inputs(world, count, dtype, op, generator=g)
+                t = inputs[rank].to(DEV, copy=True)
+                dist.all_reduce(t, op=REDUCE_OPS[op])
+                torch.cuda.synchronize()
+                assert_same_bits(t.cpu(), fp32_ordered_sum(inputs, op), f"all_reduce {case}")
+                full = random_inputs(world, world * count, dtype, op, generator=g)
+                want = fp32_ordered_sum([f[rank * count:(rank + 1) * count] for f in full], op)
+                flat = full[rank].to(DEV, copy=True)
+                out = torch.full((count,), 7, dtype=dtype, device=DEV)
+                dist.reduce_scatter_tensor(out, flat, op=REDUCE_OPS[op])
+                mine = flat[rank * count:(rank + 1) * count]
+                dist.reduce_scatter_tensor(mine, flat, op=REDUCE_OPS[op])
+                torch.cuda.synchronize()
+                assert_same_bits(out.cpu(), want, f"reduce_scatter {case}")
+                assert_same_bits(mine.cpu(), want, f"reduce_scatter in place {case}")
+                checked += 1
+    dist.destroy_process_group()
+    return checked
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_once_rounded_half_sums(tmp_path, world):
+    env = dict(SMALL_STAGING, RINGREDUCE_CUDA_HALF_ROUNDING="once")
+    assert all(c == 20 for c in values(run_ranks(_once_rounded, world, tmp_path, env=env)))
 
 
 def _allocator_churn(rank, world, store, conf):

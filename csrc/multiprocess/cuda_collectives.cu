@@ -14,6 +14,8 @@
 
 #include "../ring/cuda_check.h"
 #include "../ring/cuda_kernels.h"
+#include "../ring/oneshot.h"
+#include "../ring/oneshot_cuda.h"
 #include "../ring/schedule.h"
 
 namespace rr {
@@ -485,6 +487,81 @@ std::vector<int> others(const HostGroup& g) {
   return v;
 }
 
+// The once-rounded all-reduce (RINGREDUCE_CUDA_HALF_ROUNDING=once; float16 / bfloat16 sum and
+// avg): a two-shot in the ring's rounds. Round i stages piece i of every ring chunk into this
+// rank's slot (event 0, step base + 1), as the ring does; then this rank sums piece i of its
+// own chunk over every rank's slot, in fp32 in rank order, rounded once (launch_chunk_once),
+// into its own slot (event 1, base + 2), and copies every rank's finished piece out of that
+// rank's slot into the tensor (event 2, base + 3: its reads of the peers' slots are done).
+// Every rank reads every slot, so the slot is released once every peer's event 2 is done
+// (base + 4). The bits of rr::cpu::all_reduce_once, whatever the staging size.
+void two_shot_once(HostGroup& g, const Ctx& ctx, Peers& p, void* data, int64_t count,
+                   DType dtype, Op op, cudaStream_t stream) {
+  const int n = g.nranks();
+  const int rank = g.rank();
+  const int64_t esize = elem_size(dtype);
+  const int64_t piece = piece_elems(p.slot_bytes(), n, esize);
+  const int64_t rounds = std::max<int64_t>(1, ceil_div(chunk_elems(count, n, esize), piece));
+  char* user = static_cast<char*>(data);
+  const std::vector<int> peers = others(g);
+  for (int64_t i = 0; i < rounds; ++i) {
+    const uint64_t base = g.base();
+    g.wait_all(base, ctx, start_text(i));
+    g.set_desc(device_desc(ctx, int(dtype), int(op), -1, count, i, p.device()));
+    const int s = p.next_slot();
+    // Elements [begin[c], begin[c] + len[c]) of the tensor: piece i of chunk c, at offset
+    // c * piece of every slot.
+    std::vector<int64_t> begin(static_cast<size_t>(n)), len(static_cast<size_t>(n));
+    std::vector<Copy> in;
+    for (int c = 0; c < n; ++c) {
+      len[size_t(c)] = chunk_piece(count, n, esize, c, piece, i, &begin[size_t(c)]);
+      in.push_back(Copy{p.slot(rank, s) + c * piece * esize, user + begin[size_t(c)] * esize,
+                        len[size_t(c)] * esize});
+    }
+    p.stage_in(s, in, stream);
+    g.publish(base + 1);
+    const int64_t at = rank * piece * esize;
+    std::vector<const void*> srcs(size_t(n), nullptr);
+    for (int q = 0; q < n; ++q) {
+      srcs[size_t(q)] = p.slot(q, s) + at;
+      if (q == rank) continue;
+      g.wait(q, base + 1, ctx, "waiting for " + rank_text(q) + "'s input (round " +
+                                   std::to_string(i) + ")");
+      g.check_desc(q, ctx);
+      RR_CUDA_CHECK(cudaStreamWaitEvent(stream, p.peer_event(q, 0), 0),
+                    "ordering after " + rank_text(q) + "'s copy-in");
+    }
+    if (len[size_t(rank)] > 0) {
+      // In place in this rank's slot: no peer reads this piece of it before event 1.
+      ::rr::cuda::launch_chunk_once(srcs.data(), p.slot(rank, s) + at, n, len[size_t(rank)],
+                                    dtype, op, stream, p.device());
+    }
+    RR_CUDA_CHECK(cudaEventRecord(p.own(1), stream), "recording this rank's summed piece");
+    g.publish(base + 2);
+    std::vector<Copy> out;
+    for (int c = 0; c < n; ++c) {
+      out.push_back(Copy{user + begin[size_t(c)] * esize, p.slot(c, s) + c * piece * esize,
+                         len[size_t(c)] * esize});
+      if (c == rank) continue;
+      g.wait(c, base + 2, ctx, "waiting for " + rank_text(c) + "'s summed piece (round " +
+                                   std::to_string(i) + ")");
+      RR_CUDA_CHECK(cudaStreamWaitEvent(stream, p.peer_event(c, 1), 0),
+                    "ordering after " + rank_text(c) + "'s summed piece");
+    }
+    copy_all(out, stream, "copying the summed pieces into the tensor");
+    RR_CUDA_CHECK(cudaEventRecord(p.own(2), stream), "marking this rank's reads done");
+    g.publish(base + 3);
+    for (int q : peers) {
+      g.wait(q, base + 3, ctx, "while " + rank_text(q) + " reads this rank's staging slot");
+      RR_CUDA_CHECK(cudaStreamWaitEvent(stream, p.peer_event(q, 2), 0),
+                    "ordering this rank's stream after " + rank_text(q) + "'s reads");
+    }
+    p.release(s, stream);
+    g.publish(base + 4);
+    g.end_phase(4);
+  }
+}
+
 }  // namespace
 
 // Round i carries piece i of every ring chunk: every element stays in the chunk the
@@ -495,6 +572,11 @@ void all_reduce(HostGroup& g, Peers& p, void* data, int64_t count, DType dtype, 
   const Ctx ctx = g.begin(Kind::AllReduce);
   const int n = g.nranks();
   if (n == 1) return;
+  if (g.cuda_half_once() && ::rr::oneshot_rounds_once(dtype, op)) {
+    run_collective(g, ctx, p, stream,
+                   [&] { two_shot_once(g, ctx, p, data, count, dtype, op, stream); });
+    return;
+  }
   run_collective(g, ctx, p, stream, [&] {
     const int rank = g.rank();
     const int pred = mod(rank - 1, n);
@@ -654,6 +736,7 @@ void reduce_scatter(HostGroup& g, Peers& p, const void* in, void* out, int64_t c
     }
     const int64_t piece = piece_elems(p.slot_bytes(), n, esize);
     const int64_t rounds = std::max<int64_t>(1, ceil_div(count, piece));
+    const bool once = g.cuda_half_once() && ::rr::oneshot_rounds_once(dtype, op);
     for (int64_t i = 0; i < rounds; ++i) {
       const uint64_t base = g.base();
       const int64_t lo = std::min(count, i * piece);
@@ -681,7 +764,12 @@ void reduce_scatter(HostGroup& g, Peers& p, const void* in, void* out, int64_t c
         RR_CUDA_CHECK(cudaStreamWaitEvent(stream, p.peer_event(q, 0), 0),
                       "ordering after " + rank_text(q) + "'s copy-in");
       }
-      if (len > 0) {
+      if (len > 0 && once) {
+        // Fixed order 0, 1, ..., N-1 in fp32, rounded once (RINGREDUCE_CUDA_HALF_ROUNDING).
+        const std::vector<const void*> from(srcs.begin(), srcs.end());
+        ::rr::cuda::launch_chunk_once(from.data(), result + lo * esize, n, len, dtype, op, stream,
+                                      p.device());
+      } else if (len > 0) {
         // Fixed order 0, 1, ..., N-1, the same on every rank and every call.
         char* dst = result + lo * esize;
         copy_all({Copy{dst, srcs[0], len * esize}}, stream, "copying rank 0's segment");

@@ -188,6 +188,7 @@ HostGroup::HostGroup(int rank, int nranks, int64_t capacity, double timeout_s,
       small_bytes_(env_int("RINGREDUCE_SMALL_BYTES", kDefaultSmallBytes, 0, kMaxSmallBytes,
                            "a number of bytes (0 disables the one-round small all-reduce)")),
       half_once_(::rr::cpu::half_rounding_setting() == ::rr::cpu::HalfRounding::Once),
+      cuda_half_once_(::rr::cpu::cuda_half_rounding_setting() == ::rr::cpu::HalfRounding::Once),
       headers_(size_t(nranks), nullptr) {
   // Spinning only pays while the peer runs on another core. With more ranks than cores a
   // spinning rank takes the core from the peer it waits for: there it yields and sleeps at once.
@@ -245,6 +246,7 @@ HostGroup::HostGroup(int rank, int nranks, int64_t capacity, double timeout_s,
   h->capacity = capacity;
   h->small_bytes = small_bytes_;
   h->half_once = half_once_ ? 1 : 0;
+  h->cuda_half_once = cuda_half_once_ ? 1 : 0;
   h->progress.store(0, std::memory_order_relaxed);
   h->last_cpu.store(-1, std::memory_order_relaxed);
   h->wake.store(0, std::memory_order_relaxed);
@@ -319,17 +321,18 @@ void HostGroup::attach(const std::vector<std::string>& names) {
     // Both sizes decide which path a collective takes: ranks that differ would deadlock or
     // exchange garbage instead of failing, so the group refuses to form.
     if (!same_settings(h))
-      throw CommError(setting_mismatch(r, h->capacity, h->small_bytes, h->half_once));
+      throw CommError(
+          setting_mismatch(r, h->capacity, h->small_bytes, h->half_once, h->cuda_half_once));
   }
 }
 
 bool HostGroup::same_settings(const Header* h) const {
   return h->small_bytes == small_bytes_ && h->capacity == capacity_ &&
-         h->half_once == (half_once_ ? 1 : 0);
+         h->half_once == (half_once_ ? 1 : 0) && h->cuda_half_once == (cuda_half_once_ ? 1 : 0);
 }
 
 std::string HostGroup::setting_mismatch(int peer, int64_t capacity, int64_t small_bytes,
-                                        int32_t half_once) const {
+                                        int32_t half_once, int32_t cuda_half_once) const {
   std::ostringstream s;
   s << "ringreduce: rank " << peer << " and rank " << rank_ << " (this one) were started with "
     << "different settings: ";
@@ -342,6 +345,9 @@ std::string HostGroup::setting_mismatch(int peer, int64_t capacity, int64_t smal
   if (half_once != (half_once_ ? 1 : 0))
     s << "RINGREDUCE_HALF_ROUNDING " << (half_once ? "once" : "per_hop") << " on rank " << peer
       << " but " << (half_once_ ? "once" : "per_hop") << " here; ";
+  if (cuda_half_once != (cuda_half_once_ ? 1 : 0))
+    s << "RINGREDUCE_CUDA_HALF_ROUNDING " << (cuda_half_once ? "once" : "per_hop") << " on rank "
+      << peer << " but " << (cuda_half_once_ ? "once" : "per_hop") << " here; ";
   s << "every rank must use the same values";
   return s.str();
 }
@@ -355,7 +361,8 @@ std::string HostGroup::size_mismatch(int fd, size_t size) const {
       const Header* h = static_cast<const Header*>(p);
       std::string text;
       if (h->magic == kMagic && !same_settings(h))
-        text = setting_mismatch(h->rank, h->capacity, h->small_bytes, h->half_once);
+        text = setting_mismatch(h->rank, h->capacity, h->small_bytes, h->half_once,
+                                h->cuda_half_once);
       munmap(p, kHeaderBytes);
       if (!text.empty()) return text.substr(std::string("ringreduce: ").size());
     }

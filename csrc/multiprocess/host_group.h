@@ -111,6 +111,7 @@ struct alignas(64) Header {
   int64_t capacity;  // bytes of staging area after the header
   int64_t small_bytes;  // RINGREDUCE_SMALL_BYTES: data bytes of each small-message slot
   int32_t half_once;    // RINGREDUCE_HALF_ROUNDING: 1 once (the default), 0 per_hop
+  int32_t cuda_half_once;  // RINGREDUCE_CUDA_HALF_ROUNDING: 1 once, 0 per_hop (the default)
   alignas(64) std::atomic<uint64_t> progress;
   // The CPU this rank last published from, in collectives of at least
   // RINGREDUCE_SHARED_CORE_BYTES (HostGroup::begin): a waiter on the same CPU yields to it.
@@ -192,6 +193,9 @@ class HostGroup {
   // rounded once (RINGREDUCE_HALF_ROUNDING=once, the default), or rounded on every ring hop
   // (per_hop). Read when the group is made; every rank must have the same.
   bool half_once() const { return half_once_; }
+  // RINGREDUCE_CUDA_HALF_ROUNDING=once when the group was made (the same on every rank): the
+  // CUDA collectives' float16 / bfloat16 sums and averages are rounded once.
+  bool cuda_half_once() const { return cuda_half_once_; }
   void set_timeout(double seconds);
   std::chrono::nanoseconds timeout() const { return timeout_; }
 
@@ -308,7 +312,7 @@ class HostGroup {
   std::string where_is(int peer) const;  // "is at step 2 of this phase" etc.
   void compare_descs(const Desc& mine, const Desc& theirs, int peer, const Ctx& ctx) const;
   std::string setting_mismatch(int peer, int64_t capacity, int64_t small_bytes,
-                               int32_t half_once) const;
+                               int32_t half_once, int32_t cuda_half_once) const;
   bool same_settings(const Header* h) const;
   std::string size_mismatch(int fd, size_t size) const;  // why a peer's segment size differs
 
@@ -318,6 +322,7 @@ class HostGroup {
   int64_t p2p_ring_bytes_;
   int64_t small_bytes_;
   bool half_once_;
+  bool cuda_half_once_;
   size_t small_offset_ = 0;  // of the small-message slots in every segment
   size_t small_stride_ = 0;  // bytes from one slot to the next
   int64_t spin_ns_;          // how long a wait spins before it sleeps

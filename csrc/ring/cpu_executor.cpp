@@ -161,6 +161,16 @@ HalfRounding half_rounding_setting() {
                               "(rounded on every ring hop); got '" + s + "'");
 }
 
+HalfRounding cuda_half_rounding_setting() {
+  const char* v = std::getenv("RINGREDUCE_CUDA_HALF_ROUNDING");
+  if (v == nullptr || *v == '\0') return HalfRounding::PerHop;
+  const std::string s(v);
+  if (s == "once") return HalfRounding::Once;
+  if (s == "per_hop") return HalfRounding::PerHop;
+  throw std::invalid_argument("ringreduce: RINGREDUCE_CUDA_HALF_ROUNDING must be 'per_hop' (the "
+                              "default) or 'once'; got '" + s + "'");
+}
+
 namespace {
 
 // Elements summed per pass: the fp32 accumulators (4 KiB) stay in L1 while every source's

@@ -42,6 +42,11 @@ enum class HalfRounding : int { Once = 0, PerHop = 1 };
 // else throws std::invalid_argument naming the variable.
 HalfRounding half_rounding_setting();
 
+// RINGREDUCE_CUDA_HALF_ROUNDING: "per_hop" (default, also when unset or blank) or "once": how
+// the CUDA paths round float16 and bfloat16 sums (once: the bits of the CPU's Once); anything
+// else throws std::invalid_argument naming the variable.
+HalfRounding cuda_half_rounding_setting();
+
 inline const char* half_rounding_name(HalfRounding h) {
   return h == HalfRounding::Once ? "once" : "per_hop";
 }

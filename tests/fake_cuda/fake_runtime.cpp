@@ -26,6 +26,7 @@
 #include "multiprocess/host_group.h"
 #include "ring/cpu_executor.h"
 #include "ring/cuda_kernels.h"
+#include "ring/oneshot_cuda.h"
 
 namespace {
 
@@ -476,6 +477,28 @@ void launch_step(const Task* tasks, int ntasks, DType dtype, Op op, bool reduce,
       }
     }
   });
+}
+
+// The once-rounded sum of oneshot_cuda.h, run by the CPU's sum_rounded_once, under the same
+// rules as launch_step.
+void launch_chunk_once(const void* const* in, void* out, int nranks, int64_t count, DType dtype,
+                       Op op, cudaStream_t stream, int device) {
+  FakeStream* s = stream_of(stream);
+  if (s->device != t_current || device != t_current) {
+    throw std::runtime_error("ringreduce: fake launch_chunk_once: a kernel launched on a stream "
+                             "of cuda:" + std::to_string(s->device) + " (told cuda:" +
+                             std::to_string(device) + ") while cuda:" +
+                             std::to_string(t_current) + " is current");
+  }
+  std::vector<const void*> srcs(in, in + nranks);
+  for (const void* p : srcs) {
+    if (!accessible(t_current, device_of(p))) {
+      throw std::runtime_error("ringreduce: fake launch_chunk_once: a kernel on cuda:" +
+                               std::to_string(t_current) + " reads memory of cuda:" +
+                               std::to_string(device_of(p)) + " without peer access");
+    }
+  }
+  s->push([=] { ::rr::cpu::sum_rounded_once(dtype, op, out, srcs.data(), nranks, count); });
 }
 
 void check_device_supported(int) {}

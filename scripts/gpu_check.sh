@@ -149,6 +149,15 @@ sweep() {
   # ringreduce alone, where the step is latency-bound; compare with ring-only.json's sizes.
   RINGREDUCE_ONESHOT_BYTES=0 RINGREDUCE_CUDA_STEP_UNROLL=4 python3 bench/ring.py --impls ringreduce \
     --min-bytes 256K --max-bytes 256M --json "$out/unroll4.json" || return 1
+  # bfloat16 sums (issue 47): rounded per hop (the default) against rounded once (the one-shot
+  # at every size on one stream; the two-shot under the copy transport), ringreduce alone.
+  python3 bench/ring.py --impls ringreduce --dtype bfloat16 --min-bytes 1K \
+    --json "$out/bf16-per-hop.json" || return 1
+  RINGREDUCE_CUDA_HALF_ROUNDING=once python3 bench/ring.py --impls ringreduce --dtype bfloat16 \
+    --min-bytes 1K --json "$out/bf16-once.json" || return 1
+  RINGREDUCE_CUDA_HALF_ROUNDING=once RINGREDUCE_TRANSPORT=copy python3 bench/ring.py \
+    --impls ringreduce --dtype bfloat16 --min-bytes 1K --json "$out/bf16-once-copy.json" ||
+    return 1
   RINGREDUCE_TRANSPORT=copy python3 bench/ring.py --json "$out/copy.json"
 }
 # left: the seconds left of this phase (PHASE_CAP, exported by run; SECONDS counts from the

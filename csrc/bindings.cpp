@@ -581,13 +581,16 @@ std::vector<std::string> all_reduce(const std::vector<at::Tensor>& tensors,
   const OneShot oneshot{in_ptrs, out_ptrs, tensors[0].numel(),
                         tensors[0].numel() * tensors[0].element_size(), oneshot_max_bytes, fused,
                         once};
-  const std::vector<const void*> once_in(in_ptrs.begin(), in_ptrs.end());
   rr::OnceCall call;
-  call.kind = rr::OnceCall::AllReduce;
-  call.in = once_in.data();
-  call.out = out_ptrs.data();
-  call.nranks = int(tensors.size());
-  call.count = tensors[0].numel();
+  std::vector<const void*> once_in;  // filled only when used: no allocation on other calls
+  if (once) {
+    once_in.assign(in_ptrs.begin(), in_ptrs.end());
+    call.kind = rr::OnceCall::AllReduce;
+    call.in = once_in.data();
+    call.out = out_ptrs.data();
+    call.nranks = int(tensors.size());
+    call.count = tensors[0].numel();
+  }
   return execute(plan, dtype, op, tensors, concat(tensors, outputs), out, streams, transport,
                  &oneshot, once ? &call : nullptr);
 }
@@ -632,16 +635,19 @@ std::vector<std::string> reduce(const std::vector<at::Tensor>& inputs,
   // RINGREDUCE_CUDA_HALF_ROUNDING=once: every rank sums its chunk of every input once-rounded
   // (the root into its output, the others into their workspaces), then the root gathers.
   const bool once = cuda_half_once && inputs.size() >= 2 && rr::oneshot_rounds_once(dtype, op);
-  const std::vector<const void*> once_in(in_ptrs.begin(), in_ptrs.end());
   void* const once_out[1] = {output.data_ptr()};
   rr::OnceCall call;
-  call.kind = rr::OnceCall::Reduce;
-  call.in = once_in.data();
-  call.out = once_out;
-  call.work = work_ptrs.data();
-  call.nranks = int(inputs.size());
-  call.count = inputs[0].numel();
-  call.root = root;
+  std::vector<const void*> once_in;
+  if (once) {
+    once_in.assign(in_ptrs.begin(), in_ptrs.end());
+    call.kind = rr::OnceCall::Reduce;
+    call.in = once_in.data();
+    call.out = once_out;
+    call.work = work_ptrs.data();
+    call.nranks = int(inputs.size());
+    call.count = inputs[0].numel();
+    call.root = root;
+  }
   return execute(plan, dtype, op, inputs, concat(concat(inputs, {output}), work), {output},
                  streams, transport, nullptr, once ? &call : nullptr);
 }
@@ -743,13 +749,16 @@ std::vector<std::string> reduce_scatter(const std::vector<at::Tensor>& inputs,
                                                 nranks, count, inputs[0].element_size());
   // RINGREDUCE_CUDA_HALF_ROUNDING=once: every rank sums its block of every input once-rounded.
   const bool once = cuda_half_once && nranks >= 2 && rr::oneshot_rounds_once(dtype, op);
-  const std::vector<const void*> once_in(in_ptrs.begin(), in_ptrs.end());
   rr::OnceCall call;
-  call.kind = rr::OnceCall::ReduceScatter;
-  call.in = once_in.data();
-  call.out = out_ptrs.data();
-  call.nranks = nranks;
-  call.count = count;
+  std::vector<const void*> once_in;
+  if (once) {
+    once_in.assign(in_ptrs.begin(), in_ptrs.end());
+    call.kind = rr::OnceCall::ReduceScatter;
+    call.in = once_in.data();
+    call.out = out_ptrs.data();
+    call.nranks = nranks;
+    call.count = count;
+  }
   return execute(plan, dtype, op, inputs, concat(concat(inputs, outputs), work), outputs,
                  streams, transport, nullptr, once ? &call : nullptr);
 }

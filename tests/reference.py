@@ -152,7 +152,7 @@ HALF_DTYPES = (torch.float16, torch.bfloat16)
 def half_rounding(device="cpu"):
     """How ringreduce rounds float16 / bfloat16 sums and averages on `device`: 'once' on CPU
     unless RINGREDUCE_HALF_ROUNDING=per_hop; 'per_hop' on CUDA unless
-    RINGREDUCE_CUDA_HALF_ROUNDING=once (the fused kernel rounds per hop either way)."""
+    RINGREDUCE_CUDA_HALF_ROUNDING=once."""
     if torch.device(device).type != "cpu":
         return os.environ.get("RINGREDUCE_CUDA_HALF_ROUNDING") or "per_hop"
     return os.environ.get("RINGREDUCE_HALF_ROUNDING") or "once"

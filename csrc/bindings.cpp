@@ -582,11 +582,9 @@ std::vector<std::string> all_reduce(const std::vector<at::Tensor>& tensors,
                         tensors[0].numel() * tensors[0].element_size(), oneshot_max_bytes, fused,
                         once};
   rr::OnceCall call;
-  std::vector<const void*> once_in;  // filled only when used: no allocation on other calls
   if (once) {
-    once_in.assign(in_ptrs.begin(), in_ptrs.end());
     call.kind = rr::OnceCall::AllReduce;
-    call.in = once_in.data();
+    call.in = in_ptrs.data();
     call.out = out_ptrs.data();
     call.nranks = int(tensors.size());
     call.count = tensors[0].numel();
@@ -637,11 +635,9 @@ std::vector<std::string> reduce(const std::vector<at::Tensor>& inputs,
   const bool once = cuda_half_once && inputs.size() >= 2 && rr::oneshot_rounds_once(dtype, op);
   void* const once_out[1] = {output.data_ptr()};
   rr::OnceCall call;
-  std::vector<const void*> once_in;
   if (once) {
-    once_in.assign(in_ptrs.begin(), in_ptrs.end());
     call.kind = rr::OnceCall::Reduce;
-    call.in = once_in.data();
+    call.in = in_ptrs.data();
     call.out = once_out;
     call.work = work_ptrs.data();
     call.nranks = int(inputs.size());
@@ -750,11 +746,9 @@ std::vector<std::string> reduce_scatter(const std::vector<at::Tensor>& inputs,
   // RINGREDUCE_CUDA_HALF_ROUNDING=once: every rank sums its block of every input once-rounded.
   const bool once = cuda_half_once && nranks >= 2 && rr::oneshot_rounds_once(dtype, op);
   rr::OnceCall call;
-  std::vector<const void*> once_in;
   if (once) {
-    once_in.assign(in_ptrs.begin(), in_ptrs.end());
     call.kind = rr::OnceCall::ReduceScatter;
-    call.in = once_in.data();
+    call.in = in_ptrs.data();
     call.out = out_ptrs.data();
     call.nranks = nranks;
     call.count = count;

@@ -16,10 +16,13 @@ the "ringreduce" torch.distributed backend with real processes.
 Each test spawns its ranks once and runs every check inside them; new groups (dist.new_group)
 pick up a changed RINGREDUCE_SMALL_BYTES, since the backend reads it when it creates a group.
 """
+import ctypes
 import datetime
 import os
 import random
 import resource
+import struct
+import threading
 import time
 
 import pytest
@@ -310,6 +313,8 @@ def test_bad_or_differing_settings_refuse_the_group(tmp_path):
     assert "RINGREDUCE_SPIN_YIELD must be 0 or 1" in msg and "'2'" in msg, msg
     msg = values(run_ranks(_bad_setting, 1, tmp_path, ["1M"], "RINGREDUCE_SHARED_CORE_BYTES"))[0]
     assert "RINGREDUCE_SHARED_CORE_BYTES must be a number of bytes" in msg and "'1M'" in msg, msg
+    msg = values(run_ranks(_bad_setting, 1, tmp_path, ["0.1"], "RINGREDUCE_SLICE_US"))[0]
+    assert "RINGREDUCE_SLICE_US must be a number of microseconds" in msg and "'0.1'" in msg, msg
     # The first rank to map a peer's segment names the setting and gives up, which removes its
     # own segment: the other rank may then fail to open that one instead.
     msgs = values(run_ranks(_bad_setting, 2, tmp_path, ["0", None]))
@@ -405,3 +410,107 @@ def test_ranks_on_one_core_yield_to_each_other_in_large_collectives(tmp_path, wo
     # The premise: without the yield, ranks sharing a core sleep at their hand-offs.
     assert never >= 3 * calls, per_rank
     assert default * 4 <= never, per_rank
+
+
+# ---------------------------------------------------------------------------------------
+# The time slice a collective's thread asks for (RINGREDUCE_SLICE_US)
+
+# sched_getattr / sched_setattr (glibc has no wrappers before 2.41).
+_SCHED_SYSCALLS = {"x86_64": (315, 314), "aarch64": (275, 274)}
+_RESET_ON_FORK = 0x01
+
+
+def _thread_slice_ns():
+    """The calling thread's time slice, as sched_getattr(2) reports it (sched_runtime)."""
+    get, _ = _SCHED_SYSCALLS[os.uname().machine]
+    libc = ctypes.CDLL(None, use_errno=True)
+    buf = ctypes.create_string_buffer(48)
+    if libc.syscall(get, 0, buf, 48, 0) != 0:
+        raise OSError(ctypes.get_errno(), "sched_getattr")
+    return struct.unpack_from("Q", buf.raw, 24)[0]
+
+
+def _custom_slices_work():
+    """Whether this kernel keeps a SCHED_OTHER thread's own slice (Linux 6.12+): asked for in a
+    thread of its own, which ends with it."""
+    if os.uname().machine not in _SCHED_SYSCALLS:
+        return False
+    _, set_ = _SCHED_SYSCALLS[os.uname().machine]
+    got = []
+
+    def probe():
+        libc = ctypes.CDLL(None, use_errno=True)
+        attr = ctypes.create_string_buffer(struct.pack("IIQiIQQQ", 48, 0, _RESET_ON_FORK,
+                                                       os.getpriority(os.PRIO_PROCESS, 0), 0,
+                                                       300000, 0, 0), 48)
+        if libc.syscall(set_, 0, attr, 0) == 0:
+            got.append(_thread_slice_ns())
+
+    t = threading.Thread(target=probe)
+    t.start()
+    t.join()
+    return got == [300000]
+
+
+def _slices(rank, world, store, seed):
+    """Both ranks pinned to one CPU (more ranks than cores: waits sleep rather than spin), the
+    calling thread running every collective (RINGREDUCE_ASYNC=0). Its slice: untouched by a
+    group with RINGREDUCE_SLICE_US=0 (the default group here) and by one whose waits spin
+    (RINGREDUCE_SPIN_US), the knob's value in a third, the default (100 us) in a fourth; a
+    thread started afterwards, and a forked child, get the kernel's default again
+    (SCHED_FLAG_RESET_ON_FORK: threads and processes the rank starts are not changed by it).
+    Exact sums in every group."""
+    os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})
+    torch.set_num_threads(1)
+    before = _thread_slice_ns()
+    init(rank, world, store)
+    groups = [None]
+    for name, value in (("RINGREDUCE_SPIN_US", "1000"), ("RINGREDUCE_SLICE_US", "250"),
+                        ("RINGREDUCE_SLICE_US", None)):
+        saved = {k: os.environ.pop(k) for k in ("RINGREDUCE_SPIN_US", "RINGREDUCE_SLICE_US")
+                 if k in os.environ}
+        if value is not None:
+            os.environ[name] = value
+        try:
+            groups.append(dist.new_group(backend="ringreduce",
+                                         timeout=datetime.timedelta(seconds=30)))
+        finally:
+            os.environ.pop(name, None)
+            os.environ.update(saved)
+    slices = []
+    for i, group in enumerate(groups):
+        g = torch.Generator().manual_seed(seed + i)
+        inputs = [torch.randint(-1000, 1000, (70000,), generator=g, dtype=torch.int64)
+                  for _ in range(world)]
+        t = inputs[rank].clone()
+        dist.all_reduce(t, group=group)
+        assert torch.equal(t, sum(inputs)), i
+        slices.append(_thread_slice_ns())
+    later = []
+    t = threading.Thread(target=lambda: later.append(_thread_slice_ns()))
+    t.start()
+    t.join()
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        os.write(w, struct.pack("Q", _thread_slice_ns()))
+        os._exit(0)
+    os.waitpid(pid, 0)
+    child = struct.unpack("Q", os.read(r, 8))[0]
+    dist.destroy_process_group()
+    return before, slices, later[0], child
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.skipif(not _custom_slices_work(),
+                    reason="this kernel keeps no time slice of a SCHED_OTHER thread's own "
+                           "(sched_setattr's sched_runtime: Linux 6.12 and later)")
+def test_a_collectives_thread_asks_for_a_short_slice(tmp_path):
+    seed = 4444
+    print(f"seed {seed}")
+    got = values(run_ranks(_slices, 2, tmp_path, seed,
+                           env={"RINGREDUCE_SLICE_US": "0", "RINGREDUCE_ASYNC": "0"}))
+    for before, slices, later, child in got:
+        assert before != 100000 and before != 250000, got
+        assert slices == [before, before, 250000, 100000], got
+        assert later == before and child == before, got

@@ -119,6 +119,50 @@ inline void cpu_relax() {
 #endif
 }
 
+// sched_attr as the kernel's sched_setattr(2) takes it (glibc has no wrapper before 2.41).
+struct SchedAttr {
+  uint32_t size;
+  uint32_t sched_policy;
+  uint64_t sched_flags;
+  int32_t sched_nice;
+  uint32_t sched_priority;
+  uint64_t sched_runtime;
+  uint64_t sched_deadline;
+  uint64_t sched_period;
+};
+
+// RINGREDUCE_SLICE_US's default where waits do not spin (more ranks than cores): the shortest
+// slice the kernel grants (0.1 ms). A collective is a chain of hand-offs, and in such groups a
+// rank waits for its peer asleep: it must get a core back when the peer publishes. With the
+// kernel's slice (0.7 ms x (1 + log2 CPUs), 1.4 ms on 2 cores) it queues behind whatever runs
+// there - a busy loop, a data loader - until that one's slice ends; with a short slice its
+// earlier deadline lets it preempt at once. Its share of the CPU stays the same. Measured with
+// bench/load.py beside one busy loop per core in the ranks' session (bench/RESULTS.md, issue
+// 49), 4 ranks on 2 cores: 8 B 5.5 -> 0.31 ms per call, 16 MiB 113 -> 38 ms. Where waits spin
+// (a core per rank), the short slice only cuts the spin short in favour of the other
+// processes: 2 ranks lost 2 ms per 8 B call in every loaded run with it, none without, so there
+// the default is the kernel's slice.
+constexpr int64_t kDefaultSliceNs = 100000;
+constexpr uint64_t kResetOnFork = 0x01;  // SCHED_FLAG_RESET_ON_FORK
+
+// Asks the scheduler for time slices of `ns` for the calling thread, keeping its policy and
+// nice value (the fair class's custom slice, Linux 6.12+: a shorter slice gives an earlier
+// deadline, so a woken waiter preempts a task that has run longer instead of queueing behind
+// its whole slice). Once per thread; a kernel that refuses it (older, or a policy other than
+// SCHED_OTHER) leaves the thread as it was.
+void ask_for_slice(int64_t ns) {
+  thread_local int64_t asked = 0;
+  if (ns <= 0 || asked == ns) return;
+  asked = ns;
+  SchedAttr a{};
+  if (syscall(SYS_sched_getattr, 0, &a, unsigned(sizeof(a)), 0u) != 0) return;
+  if (a.sched_policy != SCHED_OTHER) return;
+  a.size = sizeof(a);
+  a.sched_flags = kResetOnFork;
+  a.sched_runtime = uint64_t(ns);
+  syscall(SYS_sched_setattr, 0, &a, 0u);
+}
+
 // CPUs this process may run on (its affinity mask, which taskset and cgroup cpusets narrow).
 int usable_cpus() {
   cpu_set_t set;
@@ -197,6 +241,9 @@ HostGroup::HostGroup(int rank, int nranks, int64_t capacity, double timeout_s,
   spin_ns_ = spin_ns_ >= 0 ? spin_ns_ * 1000 : (nranks <= usable_cpus() ? kDefaultSpinNs : 0);
   spin_yield_ = env_int("RINGREDUCE_SPIN_YIELD", 0, 0, 1,
                         "0 or 1 (1: waits yield inside their spin, the old behaviour)") != 0;
+  slice_ns_ = env_int("RINGREDUCE_SLICE_US", -1, 0, 100000,
+                      "a number of microseconds (0: the scheduler's default slice)");
+  slice_ns_ = slice_ns_ >= 0 ? slice_ns_ * 1000 : (spin_ns_ > 0 ? 0 : kDefaultSliceNs);
   shared_core_bytes_ = env_int("RINGREDUCE_SHARED_CORE_BYTES", kDefaultSharedCoreBytes, 0,
                                int64_t(1) << 62, "a number of bytes (collectives from this size "
                                "up yield to a peer on the same CPU)");
@@ -451,6 +498,7 @@ Ctx HostGroup::begin(Kind kind, int64_t bytes) {
   c.kind = kind;
   c.seq = ++seq_;
   c.start = Clock::now();
+  ask_for_slice(slice_ns_);
   c.deadline = c.start + timeout_;
   return c;
 }

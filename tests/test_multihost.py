@@ -130,14 +130,14 @@ class _CountingGloo(dist.ProcessGroupGloo):
 
 
 def _written():
-    """Bytes this process's TCP sockets have sent (the kernel's count: tcp_info's
-    tcpi_bytes_sent, summed over every TCP socket open in the process: gloo's pairs and the
-    store's, whatever system call wrote them; no file or pipe write counts). Shared memory sends
-    none."""
-    total = 0
+    """Bytes each TCP socket open in this process has sent, by socket inode (the kernel's count:
+    tcp_info's tcpi_bytes_sent, for gloo's pairs and the store's, whatever system call wrote
+    them; no file or pipe write counts). Shared memory sends none."""
+    total = {}
     for name in os.listdir("/proc/self/fd"):
         try:
-            if not os.readlink(f"/proc/self/fd/{name}").startswith("socket:"):
+            link = os.readlink(f"/proc/self/fd/{name}")
+            if not link.startswith("socket:"):
                 continue
             fd = os.dup(int(name))
         except OSError:
@@ -152,7 +152,20 @@ def _written():
                 continue
             info = s.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 256)
             assert len(info) >= 208, "tcp_info has no tcpi_bytes_sent (Linux < 4.19)"
-            total += struct.unpack_from("Q", info, 200)[0]  # tcpi_bytes_sent
+            total[link] = struct.unpack_from("Q", info, 200)[0]  # tcpi_bytes_sent
+    return total
+
+
+def _written_since(before):
+    """Bytes sent since `before` (_written) by the sockets open now. A socket closed in between
+    is left out: its whole total would otherwise subtract from the others' (CI saw -12 MB once,
+    2026-11-28: a socket that had sent 12 MB closed during the call). The all-reduce's own
+    sockets stay open across it, so what it sends is all counted."""
+    total = 0
+    for link, sent in _written().items():
+        was = before.get(link, 0)
+        # An inode reused by a socket opened in between: its count starts from 0.
+        total += sent - was if sent >= was else sent
     return total
 
 
@@ -203,7 +216,7 @@ def _two_hosts(rank, world, store, hosts):
     for name, group in (("leader", None), ("shards", paths["shards"])):
         before, written = inter_host_bytes(group), _written()
         dist.all_reduce(torch.ones(1 << 16), group=group)
-        out[f"written_{name}"] = _written() - written
+        out[f"written_{name}"] = _written_since(written)
         out[f"bytes_{name}"] = inter_host_bytes(group) - before
     out["crossed"] = list(_CountingGloo.log)
     out["gloo_made"] = _CountingGloo.made

@@ -6,6 +6,7 @@ references, DDP against gloo, faults (killed, hung, absent ranks; mismatched arg
 /dev/shm left clean. GPU variants run every rank on cuda:0 and skip without a GPU.
 """
 import datetime
+import faulthandler
 import os
 import queue as queue_module
 import signal
@@ -37,6 +38,9 @@ class Results(dict):
 
 
 def _entry(fn, rank, world, store, queue, args):
+    # A rank that dies of a signal (a crash, an abort in malloc) leaves every thread's Python
+    # stack on stderr, which pytest shows with the failing test; the result says only "died".
+    faulthandler.enable(all_threads=True)
     try:
         torch.set_num_threads(1)
         register_backend()

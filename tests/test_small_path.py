@@ -456,7 +456,8 @@ def _slices(rank, world, store, seed):
     """Both ranks pinned to one CPU (more ranks than cores: waits sleep rather than spin), the
     calling thread running every collective (RINGREDUCE_ASYNC=0). Its slice: untouched by a
     group with RINGREDUCE_SLICE_US=0 (the default group here) and by one whose waits spin
-    (RINGREDUCE_SPIN_US), the knob's value in a third, the default (100 us) in a fourth; a
+    (RINGREDUCE_SPIN_US), the knob's value in a third, the default (100 us) in a fourth, the
+    kernel's again in the first two after that (the thread asked for nothing there); a
     thread started afterwards, and a forked child, get the kernel's default again
     (SCHED_FLAG_RESET_ON_FORK: threads and processes the rank starts are not changed by it).
     Exact sums in every group."""
@@ -478,7 +479,9 @@ def _slices(rank, world, store, seed):
             os.environ.pop(name, None)
             os.environ.update(saved)
     slices = []
-    for i, group in enumerate(groups):
+    # Then the spinning group, the default one and the 100 us one again: a thread that asked for
+    # a short slice gets the kernel's back for a group that asks for nothing.
+    for i, group in enumerate(groups + [groups[1], groups[0], groups[3]]):
         g = torch.Generator().manual_seed(seed + i)
         inputs = [torch.randint(-1000, 1000, (70000,), generator=g, dtype=torch.int64)
                   for _ in range(world)]
@@ -512,5 +515,5 @@ def test_a_collectives_thread_asks_for_a_short_slice(tmp_path):
                            env={"RINGREDUCE_SLICE_US": "0", "RINGREDUCE_ASYNC": "0"}))
     for before, slices, later, child in got:
         assert before != 100000 and before != 250000, got
-        assert slices == [before, before, 250000, 100000], got
+        assert slices == [before, before, 250000, 100000, before, before, 100000], got
         assert later == before and child == before, got

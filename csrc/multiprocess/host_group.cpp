@@ -148,18 +148,28 @@ constexpr uint64_t kResetOnFork = 0x01;  // SCHED_FLAG_RESET_ON_FORK
 // Asks the scheduler for time slices of `ns` for the calling thread, keeping its policy and
 // nice value (the fair class's custom slice, Linux 6.12+: a shorter slice gives an earlier
 // deadline, so a woken waiter preempts a task that has run longer instead of queueing behind
-// its whole slice). Once per thread; a kernel that refuses it (older, or a policy other than
-// SCHED_OTHER) leaves the thread as it was.
+// its whole slice); `ns` 0 gives the thread back the kernel's default slice and the
+// reset-on-fork flag it had before its first ask. A syscall only where the value differs from
+// the thread's previous call: a thread that serves a group asking for a short slice and then
+// one asking for nothing (a spinning group, which a short slice would cut short) runs each
+// with its own. A kernel that refuses it (older, or a policy other than SCHED_OTHER) leaves
+// the thread as it was.
 void ask_for_slice(int64_t ns) {
   thread_local int64_t asked = 0;
-  if (ns <= 0 || asked == ns) return;
-  asked = ns;
+  thread_local uint64_t own_flags = 0;
+  if (ns < 0) ns = 0;
+  if (asked == ns) return;
   SchedAttr a{};
-  if (syscall(SYS_sched_getattr, 0, &a, unsigned(sizeof(a)), 0u) != 0) return;
-  if (a.sched_policy != SCHED_OTHER) return;
+  if (syscall(SYS_sched_getattr, 0, &a, unsigned(sizeof(a)), 0u) != 0 ||
+      a.sched_policy != SCHED_OTHER) {
+    asked = ns;
+    return;
+  }
+  if (asked == 0) own_flags = a.sched_flags & kResetOnFork;
+  asked = ns;
   a.size = sizeof(a);
-  a.sched_flags = kResetOnFork;
-  a.sched_runtime = uint64_t(ns);
+  a.sched_flags = ns > 0 ? kResetOnFork : own_flags;
+  a.sched_runtime = uint64_t(ns);  // 0: the kernel's default slice
   syscall(SYS_sched_setattr, 0, &a, 0u);
 }
 
@@ -242,7 +252,7 @@ HostGroup::HostGroup(int rank, int nranks, int64_t capacity, double timeout_s,
   spin_yield_ = env_int("RINGREDUCE_SPIN_YIELD", 0, 0, 1,
                         "0 or 1 (1: waits yield inside their spin, the old behaviour)") != 0;
   slice_ns_ = env_int("RINGREDUCE_SLICE_US", -1, 0, 100000,
-                      "a number of microseconds (0: the scheduler's default slice)");
+                      "a number of microseconds (0: ask for nothing)");
   slice_ns_ = slice_ns_ >= 0 ? slice_ns_ * 1000 : (spin_ns_ > 0 ? 0 : kDefaultSliceNs);
   shared_core_bytes_ = env_int("RINGREDUCE_SHARED_CORE_BYTES", kDefaultSharedCoreBytes, 0,
                                int64_t(1) << 62, "a number of bytes (collectives from this size "
@@ -473,7 +483,7 @@ void HostGroup::ring_own_bell() {
 }
 
 void HostGroup::wait_bell(uint32_t seen, int64_t ns) const {
-  if (ns <= 0) return;
+  if (ns < 0) ns = 0;
   Header* own = headers_[size_t(rank_)];
   own->p2p_waiters.fetch_add(1, std::memory_order_seq_cst);
   if (own->p2p_bell.load(std::memory_order_seq_cst) == seen) futex_wait(&own->p2p_bell, seen, ns);

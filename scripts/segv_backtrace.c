@@ -1,9 +1,10 @@
 /* A native stack on a crash, for the GPU runs (scripts/gpu_check.sh preloads it into every
  * test process, spawned ranks included): Python's faulthandler shows only Python frames, and a
  * rank that dies with SIGSEGV inside the extension leaves nothing else. On SIGSEGV, SIGBUS,
- * SIGILL or SIGFPE it writes one line naming the signal, the fault address, the pid and the
- * thread, then the frames ("file(symbol+offset) [address]", as backtrace_symbols_fd prints
- * them; scripts/symbolize_backtraces.py turns them into functions and lines), and re-raises the
+ * SIGILL, SIGFPE or SIGABRT (std::terminate, or malloc finding its heap corrupted) it writes
+ * one line naming the signal, the fault address, the pid and the thread, then the frames
+ * ("file(symbol+offset) [address]", as backtrace_symbols_fd prints them;
+ * scripts/symbolize_backtraces.py turns them into functions and lines), and re-raises the
  * signal with its default action, so the process still dies as it would have. faulthandler,
  * when enabled later, runs first and then hands the signal on to this handler.
  *   gcc -shared -fPIC -O1 -o segv_backtrace.so scripts/segv_backtrace.c
@@ -18,7 +19,7 @@
 #include <sys/syscall.h>
 #include <unistd.h>
 
-static const int kSignals[] = {SIGSEGV, SIGBUS, SIGILL, SIGFPE};
+static const int kSignals[] = {SIGSEGV, SIGBUS, SIGILL, SIGFPE, SIGABRT};
 
 /* Writes the report to `fd`. */
 static void report(int fd, int sig, const siginfo_t *info) {

@@ -45,21 +45,35 @@ def test_first_selection_names_existing_tests():
 
 
 CRASHER = r"""
+#include <stdlib.h>
 __attribute__((noinline)) void ringreduce_plan_crash_here(volatile int *p) { *p = 1; }
 __attribute__((visibility("default"))) void ringreduce_plan_crash(void) {
   ringreduce_plan_crash_here((volatile int *)0);
 }
+__attribute__((noinline)) void ringreduce_plan_abort_here(volatile int *p) {
+  if (*p == 0) abort();
+}
+__attribute__((visibility("default"))) void ringreduce_plan_abort(void) {
+  volatile int zero = 0;
+  ringreduce_plan_abort_here(&zero);
+}
 """
+# What each crash is: the function called, the signal, faulthandler's words for it.
+CRASHES = {"segv": ("ringreduce_plan_crash", "crash", 11, "Segmentation fault"),
+           "abort": ("ringreduce_plan_abort", "abort", 6, "Aborted")}
 
 
 @pytest.mark.skipif(CC is None or not sys.platform.startswith("linux"),
                     reason="needs a C compiler on Linux")
 @pytest.mark.parametrize("faulthandler", ["on", "off"])
-def test_a_crash_leaves_a_native_stack_that_resolves(tmp_path, faulthandler):
-    """The preloaded handler reports the crash (also after faulthandler, which runs first and
-    re-raises), into SEGV_BACKTRACE_DIR as well as stderr; the process still dies of the
+@pytest.mark.parametrize("kind", sorted(CRASHES))
+def test_a_crash_leaves_a_native_stack_that_resolves(tmp_path, faulthandler, kind):
+    """The preloaded handler reports the crash - a SIGSEGV, or an abort (std::terminate, or
+    malloc finding its heap corrupted) - also after faulthandler, which runs first and
+    re-raises, into SEGV_BACKTRACE_DIR as well as stderr; the process still dies of the
     signal; the symbolizer names the crashing function, hidden from the dynamic symbols as the
     extension's are."""
+    entry, here, signum, words = CRASHES[kind]
     handler = tmp_path / "segv_backtrace.so"
     subprocess.run([CC, "-shared", "-fPIC", "-O1", "-Wall", "-Werror", "-o", str(handler),
                     os.path.join(ROOT, "scripts", "segv_backtrace.c")], check=True, timeout=120)
@@ -74,12 +88,12 @@ def test_a_crash_leaves_a_native_stack_that_resolves(tmp_path, faulthandler):
     if faulthandler == "on":
         env["PYTHONFAULTHANDLER"] = "1"
     proc = subprocess.run(
-        [sys.executable, "-c", f"import ctypes; ctypes.CDLL({str(crasher)!r}).ringreduce_plan_crash()"],
+        [sys.executable, "-c", f"import ctypes; ctypes.CDLL({str(crasher)!r}).{entry}()"],
         capture_output=True, text=True, timeout=120, env=env)
-    assert proc.returncode == -11, (proc.returncode, proc.stderr[-2000:])
-    assert "segv_backtrace: signal 11" in proc.stderr, proc.stderr[-2000:]
+    assert proc.returncode == -signum, (proc.returncode, proc.stderr[-2000:])
+    assert f"segv_backtrace: signal {signum} " in proc.stderr, proc.stderr[-2000:]
     if faulthandler == "on":
-        assert "Fatal Python error: Segmentation fault" in proc.stderr
+        assert f"Fatal Python error: {words}" in proc.stderr
     files = sorted(reports.glob("segv-*.txt"))
     assert len(files) == 1, files
     out = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "symbolize_backtraces.py"),
@@ -87,7 +101,7 @@ def test_a_crash_leaves_a_native_stack_that_resolves(tmp_path, faulthandler):
     assert out.returncode == 0, out.stderr
     if shutil.which("addr2line") is None:
         pytest.skip("addr2line is not installed: frames stay offsets")
-    assert re.search(r"ringreduce_plan_crash_here at .*crash\.c:\d+", out.stdout), out.stdout
+    assert re.search(rf"ringreduce_plan_{here}_here at .*crash\.c:\d+", out.stdout), out.stdout
 
 
 def test_symbolizer_leaves_a_log_without_crashes_alone(tmp_path):

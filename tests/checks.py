@@ -333,6 +333,19 @@ def thread_count():
     return len(os.listdir("/proc/self/task"))
 
 
+def thread_names():
+    """{thread id: name} of this process's threads (/proc/self/task/*/comm; "?" for one that
+    ended while being read)."""
+    names = {}
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{tid}/comm") as f:
+                names[int(tid)] = f.read().strip()
+        except OSError:
+            names[int(tid)] = "?"
+    return names
+
+
 def fd_count():
     return len(os.listdir("/proc/self/fd"))
 

@@ -11,7 +11,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from checks import anon_rss_kib, fd_count, heap_bytes, segments_of, thread_count
+from checks import (anon_rss_kib, fd_count, heap_bytes, segments_of, thread_count,
+                    thread_names)
 from test_distributed import CALLER_RUNS_0, FAULT_TIMEOUT, init, run_ranks, values
 
 
@@ -122,6 +123,7 @@ def _callback_outlives_group(rank, world, store):
     dist.destroy_process_group()  # its completion thread is inside `slow`: left detached
     shut = time.monotonic() - start
     threads = thread_count()  # the detached completion thread among them
+    named = thread_names()
     release.set()
     value = chained.wait()
     # The task ends, dropping the last reference to the group from inside the completion
@@ -131,8 +133,11 @@ def _callback_outlives_group(rank, world, store):
     while thread_count() >= threads and time.monotonic() - start < 3.0:
         time.sleep(0.01)
     left = time.monotonic() - start
+    # Which threads were there when the count was taken and which are there now, so that a
+    # failure says whether the completion thread stayed or another thread came.
+    seen = f"then {sorted(named.items())}, now {sorted(thread_names().items())}"
     time.sleep(0.5)
-    return shut, float(value[0]), left
+    return shut, float(value[0]), left, seen
 
 
 def test_completion_thread_outlives_its_group(tmp_path):
@@ -142,10 +147,11 @@ def test_completion_thread_outlives_its_group(tmp_path):
     With the completion state owned by the group, the thread waited 5 s for itself in the
     group's destructor (this failed: still there after 3 s), then used the freed group
     (scripts/sanitize.sh also runs this test under AddressSanitizer)."""
-    for shut, value, left in values(run_ranks(_callback_outlives_group, 2, tmp_path)):
+    for shut, value, left, seen in values(run_ranks(_callback_outlives_group, 2, tmp_path)):
         assert value == 2.0
         assert shut < 4.0, f"destroy_process_group took {shut:.1f} s"
-        assert left < 2.0, f"the completion thread was still there {left:.1f} s after its task"
+        assert left < 2.0, (f"the completion thread was still there {left:.1f} s after its "
+                            f"task; threads {seen}")
 
 
 class _SlowBackward(torch.autograd.Function):

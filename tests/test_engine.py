@@ -122,8 +122,8 @@ def _callback_outlives_group(rank, world, store):
     start = time.monotonic()
     dist.destroy_process_group()  # its completion thread is inside `slow`: left detached
     shut = time.monotonic() - start
-    threads = thread_count()  # the detached completion thread among them
-    named = thread_names()
+    named = thread_names()  # the detached completion thread among them
+    threads = len(named)
     release.set()
     value = chained.wait()
     # The task ends, dropping the last reference to the group from inside the completion

@@ -157,16 +157,13 @@ constexpr uint64_t kResetOnFork = 0x01;  // SCHED_FLAG_RESET_ON_FORK
 void ask_for_slice(int64_t ns) {
   thread_local int64_t asked = 0;
   thread_local uint64_t own_flags = 0;
-  if (ns < 0) ns = 0;
   if (asked == ns) return;
-  SchedAttr a{};
-  if (syscall(SYS_sched_getattr, 0, &a, unsigned(sizeof(a)), 0u) != 0 ||
-      a.sched_policy != SCHED_OTHER) {
-    asked = ns;
-    return;
-  }
-  if (asked == 0) own_flags = a.sched_flags & kResetOnFork;
+  const bool first = asked == 0;
   asked = ns;
+  SchedAttr a{};
+  if (syscall(SYS_sched_getattr, 0, &a, unsigned(sizeof(a)), 0u) != 0) return;
+  if (a.sched_policy != SCHED_OTHER) return;
+  if (first) own_flags = a.sched_flags & kResetOnFork;
   a.size = sizeof(a);
   a.sched_flags = ns > 0 ? kResetOnFork : own_flags;
   a.sched_runtime = uint64_t(ns);  // 0: the kernel's default slice
@@ -483,7 +480,7 @@ void HostGroup::ring_own_bell() {
 }
 
 void HostGroup::wait_bell(uint32_t seen, int64_t ns) const {
-  if (ns < 0) ns = 0;
+  if (ns <= 0) return;
   Header* own = headers_[size_t(rank_)];
   own->p2p_waiters.fetch_add(1, std::memory_order_seq_cst);
   if (own->p2p_bell.load(std::memory_order_seq_cst) == seen) futex_wait(&own->p2p_bell, seen, ns);

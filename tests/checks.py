@@ -11,16 +11,19 @@ Also what every GPU test module shares: `needs_cuda` (skip, or fail under
 RINGREDUCE_REQUIRE_CUDA=1, where no GPU test can run) and `sleep_cycles`; and the helpers more
 than one test module needs: `free_port`, `communicate_bounded`, `run_bounded`, `alive`,
 `load_module` (bench/ scripts), `small_net`/`ddp_steps` (the DDP model), `thread_count`,
-`fd_count`, `anon_rss_kib`, `heap_bytes`.
+`fd_count`, `anon_rss_kib`, `heap_bytes`, `native_stack_handler` (scripts/segv_backtrace.c built).
 """
 import ctypes
+import functools
 import glob
+import hashlib
 import importlib.util
 import os
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import zlib
 
 import pytest
@@ -389,6 +392,29 @@ def segments_of(pids):
     creator's pid; other tests and other runs on this machine make segments of their own)."""
     return sorted(n for n in glob.glob("/dev/shm/ringreduce-*")
                   if any(n.startswith(f"/dev/shm/ringreduce-{pid}-") for pid in pids))
+
+
+@functools.lru_cache(maxsize=None)
+def native_stack_handler():
+    """scripts/segv_backtrace.c built as a shared object (once per source text, in the temporary
+    directory), for LD_PRELOAD: a process that dies of SIGSEGV, SIGBUS, SIGILL, SIGFPE or SIGABRT
+    then prints its native stack on stderr as well as faulthandler's Python one. Returns its
+    path, or None where no C compiler builds it (the stacks are a diagnosis, not a result)."""
+    source = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "scripts",
+                          "segv_backtrace.c")
+    with open(source, "rb") as f:
+        digest = hashlib.sha256(f.read()).hexdigest()[:16]
+    lib = os.path.join(tempfile.gettempdir(), f"ringreduce-segv-{digest}.so")
+    if os.path.exists(lib):
+        return lib
+    partial = f"{lib}.{os.getpid()}"  # pytest-xdist workers may build it at once
+    try:
+        subprocess.run([os.environ.get("CC", "cc"), "-shared", "-fPIC", "-O1", "-o", partial,
+                        source], check=True, capture_output=True, timeout=120)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    os.replace(partial, lib)
+    return lib
 
 
 def seeded(*case):

@@ -5,6 +5,7 @@ torch import): results against the single-process core (bit for bit) and indepen
 references, DDP against gloo, faults (killed, hung, absent ranks; mismatched arguments), and
 /dev/shm left clean. GPU variants run every rank on cuda:0 and skip without a GPU.
 """
+import ctypes
 import datetime
 import faulthandler
 import os
@@ -24,8 +25,8 @@ import torch.multiprocessing as mp
 import ringreduce
 from ringreduce.distributed import register_backend
 
-from checks import (assert_same_bits, assert_same_bits_but_nan_payload, ddp_steps, needs_cuda,
-                    seeded, segments_of)
+from checks import (assert_same_bits, assert_same_bits_but_nan_payload, ddp_steps,
+                    native_stack_handler, needs_cuda, seeded, segments_of)
 from reference import (ALL_DTYPES, _combine, adversarial_half_inputs, assert_close_to_wide,
                        fp32_ordered_sum, half_rounding, random_inputs, ring_model, rounds_once,
                        valid_ops)
@@ -58,7 +59,12 @@ def run_ranks(fn, world, tmp_path, *args, start=None, env=None):
     """Runs fn(rank, world, store_path, *args) in `world` spawned processes (only the ranks in
     `start` when given) and returns {rank: ("ok", value) or ("error", traceback)}. `env` is in
     each child's environment from its start, before it imports torch (PYTORCH_CUDA_ALLOC_CONF
-    is read when torch starts, so setting it in the child would be too late)."""
+    is read when torch starts, so setting it in the child would be too late). A rank that dies
+    of a signal leaves its native stack on stderr too (checks.native_stack_handler, preloaded
+    where nothing else is: a sanitizer's runtime must come first and keeps its own handler)."""
+    handler = native_stack_handler()
+    if handler and "LD_PRELOAD" not in os.environ and "LD_PRELOAD" not in (env or {}):
+        env = {"LD_PRELOAD": handler, **(env or {})}
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     store = str(tmp_path / f"store-{time.monotonic_ns()}")
@@ -441,6 +447,38 @@ def test_run_ranks_env_is_set_before_the_child_starts(tmp_path):
     for start_env in values(run_ranks(_start_environment, 2, tmp_path, env={key: "early"})):
         assert start_env.get(key.encode()) == b"early", "env was set after the child started"
     assert key not in os.environ, "run_ranks left its env in the parent"
+
+
+def _die_of(rank, world, store, how):
+    if how == "segv":
+        ctypes.string_at(0)  # a read of address 0
+    os.abort()
+
+
+@pytest.mark.parametrize("how, signum", [("segv", signal.SIGSEGV), ("abort", signal.SIGABRT)])
+def test_a_rank_that_dies_of_a_signal_leaves_both_stacks(tmp_path, capfd, how, signum):
+    """A rank's crash (a SIGSEGV in the extension, malloc aborting on a corrupted heap) shows
+    with the failing test: faulthandler's Python stack and the preloaded handler's native one,
+    on the stderr the ranks share with the test."""
+    if native_stack_handler() is None:
+        pytest.skip("no C compiler here builds scripts/segv_backtrace.c")
+    results = run_ranks(_die_of, 1, tmp_path, how)
+    assert results[0] == ("died", -signum), results[0]
+    err = capfd.readouterr().err
+    assert f"segv_backtrace: signal {int(signum)} " in err, err[-2000:]
+    assert "segv_backtrace: end" in err, err[-2000:]
+    assert "Fatal Python error" in err and "_die_of" in err, err[-2000:]
+
+
+def test_run_ranks_keeps_a_preload_that_is_there(tmp_path, monkeypatch):
+    """A sanitizer's runtime in LD_PRELOAD must stay alone and first: run_ranks adds its crash
+    handler only where nothing is preloaded."""
+    monkeypatch.setenv("LD_PRELOAD", "")
+    assert values(run_ranks(_start_environment, 1, tmp_path))[0][b"LD_PRELOAD"] == b""
+    monkeypatch.delenv("LD_PRELOAD")
+    handler = native_stack_handler()
+    got = values(run_ranks(_start_environment, 1, tmp_path))[0].get(b"LD_PRELOAD")
+    assert got == (handler.encode() if handler else None)
 
 
 def test_cuda_reduce_ops_cover_valid_ops():

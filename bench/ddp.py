@@ -29,6 +29,12 @@ listed on CPU by default and reported as "not installed" with its install comman
   silent fallback to gloo's all_reduce. Install: `DS_ACCELERATOR=cpu DS_BUILD_OPS=0 pip install
   --no-build-isolation deepspeed==0.19.8`.
 
+`floor` (CPU or CUDA, all-reduce sweep only, never in the default list): torch's own cost of a
+dist.all_reduce, the floor under every backend's call through torch.distributed - the same call
+on torch's FakeProcessGroup (torch.testing._internal.distributed.fake_pg), which moves no data
+and completes at once, in ranks whose default group is gloo's. #wrong counts elements it
+changed. bench/load.py measures it beside each load.
+
 CPU runs measure the machine's copy bandwidth B first (bytes read + written per second copying
 --copy-bytes between two buffers: the best of 8 torch copy_ with every core and 8 memcpy on one
 core, common.cpu_copy_bandwidth) and compare the large sizes (16 MiB up; below, latency and
@@ -97,8 +103,12 @@ BACKENDS = {"ringreduce": ("ringreduce", {}),
             "gloo": ("gloo", {}), "nccl": ("nccl", {}),
             # Peers: all-reduce sweep only. mpich runs under mpiexec (bench/mpi_allreduce.py);
             # deepspeed's ranks set up a gloo group through deepspeed.init_distributed.
-            "mpich": (None, {}), "deepspeed": ("gloo", {"DS_ACCELERATOR": "cpu"})}
+            "mpich": (None, {}), "deepspeed": ("gloo", {"DS_ACCELERATOR": "cpu"}),
+            # torch's dispatch floor: the call on FakeProcessGroup (gloo for the rest).
+            "floor": ("gloo", {})}
 PEERS = ("mpich", "deepspeed")
+# Labels that time the all-reduce sweep only (no DDP part).
+SWEEP_ONLY = PEERS + ("floor",)
 DEEPSPEED_VERSION = "0.19.8"
 INSTALL = {"mpich": mpi_allreduce.INSTALL,
            "deepspeed": "DS_ACCELERATOR=cpu DS_BUILD_OPS=0 pip install --no-build-isolation "
@@ -329,6 +339,12 @@ def _rank_body(rank, world, label, store, args):
         dist.init_process_group(backend, init_method=f"file://{store}", rank=rank,
                                 world_size=world, timeout=datetime.timedelta(seconds=args.timeout))
         all_reduce = dist.all_reduce
+    if label == "floor":
+        import torch.testing._internal.distributed.fake_pg  # noqa: F401  (registers "fake")
+        fake = dist.new_group(backend="fake", timeout=datetime.timedelta(seconds=args.timeout))
+
+        def all_reduce(t):
+            return dist.all_reduce(t, group=fake)
 
     def sync():
         if cuda:
@@ -351,7 +367,9 @@ def _rank_body(rank, world, label, store, args):
             bufs = [(pattern * (rank + 1)).to(device) for _ in range(nsets)]
             all_reduce(bufs[0])
             sync()
-            expect = (pattern * (world * (world + 1) // 2)).to(device)
+            # The floor moves nothing: every element must be as it was.
+            expect = (pattern * (rank + 1 if label == "floor" else world * (world + 1) // 2)
+                      ).to(device)
             wrong = int((bufs[0] != expect).sum())
             iters = iterations(size, args)
             times = []
@@ -380,7 +398,7 @@ def _rank_body(rank, world, label, store, args):
                 out["sweep"][-1]["xhost_per_rank"] = per_rank
             del bufs, expect
 
-    if not args.skip_ddp and label not in PEERS:
+    if not args.skip_ddp and label not in SWEEP_ONLY:
         from ringreduce.train.models import resnet18
 
         torch.manual_seed(0)

@@ -28,6 +28,11 @@ def test_targets_follow_the_issue():
     assert load.target_text(1 << 20, 601.0, 1000.0, 400.0) == "NOT met"  # 1.5x the best peer
     assert load.target_text(1 << 20, 250.0, 100.0, None) == "met"  # no peer ran
     assert load.target_text(8, 9.0, 5.0, None) == "-"
+    # A floor measured beside the same load replaces the 3 us, up to 64 KiB only.
+    assert load.target_text(8, 14.5, 5.0, 3.0, floor=10.0) == "met"  # 1.5 * 3 + 10
+    assert load.target_text(8, 14.6, 5.0, 3.0, floor=10.0) == "NOT met"
+    assert load.target_text(8, 5.0, 5.0, 3.0, floor=0.4) == "NOT met"  # 1.5 * 3 + 0.4
+    assert load.target_text(128 << 10, 33.0, 1.0, 20.0, floor=50.0) == "NOT met"
 
 
 def test_arguments():
@@ -75,7 +80,7 @@ def _cpu_ticks(pid):
 @pytest.mark.timeout(300)
 def test_tiny_run_tables_json_and_exit(tmp_path):
     out = tmp_path / "load.json"
-    rc, text = run_bounded([sys.executable, str(LOAD), "--backends", "ringreduce",
+    rc, text = run_bounded([sys.executable, str(LOAD), "--backends", "ringreduce,floor",
                             "--sizes", "8,64K", "--iters", "3", "--warmup", "1",
                             "--loads", "busy", "--load-procs", "1", "--json", str(out)],
                            240, cwd=ROOT)
@@ -87,11 +92,11 @@ def test_tiny_run_tables_json_and_exit(tmp_path):
     rows = {(r["load"], r["size"]): r for r in data["summary"]}
     assert set(rows) == {(ld, s) for ld in ("none", "busy") for s in (8, 64 << 10)}
     for (ld, s), r in rows.items():
-        assert r["ringreduce"] > 0, r
+        assert r["ringreduce"] > 0 and r["floor"] > 0, r
         if ld == "busy":
             assert r["ringreduce_slowdown"] == pytest.approx(
                 r["ringreduce"] / rows[("none", s)]["ringreduce"]), r
             assert r["target"] == "-", r  # no peer ran, and no size from 1 MiB
     assert all(row["wrong"] == 0 for run in data["raw"] for row in run["rows"])
     assert {(run["load"], run["backend"]) for run in data["raw"]} == {
-        ("none", "ringreduce"), ("busy", "ringreduce")}
+        (ld, b) for ld in ("none", "busy") for b in ("ringreduce", "floor")}

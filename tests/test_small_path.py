@@ -412,6 +412,45 @@ def test_ranks_on_one_core_yield_to_each_other_in_large_collectives(tmp_path, wo
     assert default * 4 <= never, per_rank
 
 
+def _move_off(rank, world, store, seed, calls):
+    """Both ranks start on one CPU (pinned while the group forms and for a first call), then may
+    run on every CPU again, with RINGREDUCE_MOVE_US=1: a spinning rank whose peer last published
+    from its own CPU moves itself off it (host_group.cpp move_off_this_cpu) and gives its thread
+    the mask back. Exact int64 sums of small and ring all-reduces; every thread's mask at the end
+    as it was given."""
+    allowed = os.sched_getaffinity(0)
+    os.sched_setaffinity(0, {min(allowed)})
+    torch.set_num_threads(1)
+    init(rank, world, store, timeout=60.0)
+    t = torch.ones(3)
+    dist.all_reduce(t)  # the engine's thread exists now, pinned too
+    for tid in os.listdir("/proc/self/task"):
+        os.sched_setaffinity(int(tid), allowed)
+    rng = random.Random(seed)
+    for i in range(calls):
+        count = rng.choice((1, 7, 1000, 70000, 300001))
+        g = torch.Generator().manual_seed(seed + i)
+        inputs = [torch.randint(-1000, 1000, (count,), generator=g, dtype=torch.int64)
+                  for _ in range(world)]
+        t = inputs[rank].clone()
+        dist.all_reduce(t)
+        assert torch.equal(t, sum(inputs)), (i, count)
+    masks = {int(tid): os.sched_getaffinity(int(tid)) for tid in os.listdir("/proc/self/task")}
+    dist.destroy_process_group()
+    return {tid: sorted(m) for tid, m in masks.items() if m != allowed}
+
+
+@pytest.mark.timeout(300)
+def test_a_rank_that_moves_off_its_peers_cpu_gives_its_thread_the_mask_back(tmp_path):
+    if len(os.sched_getaffinity(0)) < 2:
+        pytest.skip("one usable CPU: there is nowhere to move")
+    seed = 4545
+    print(f"seed {seed}")
+    changed = values(run_ranks(_move_off, 2, tmp_path, seed, 200,
+                               env={"RINGREDUCE_MOVE_US": "1", "RINGREDUCE_SPIN_US": "1000"}))
+    assert changed == [{}, {}], f"threads left with another CPU mask (tid: mask): {changed}"
+
+
 # ---------------------------------------------------------------------------------------
 # The time slice a collective's thread asks for (RINGREDUCE_SLICE_US)
 

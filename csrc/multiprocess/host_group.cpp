@@ -79,6 +79,17 @@ constexpr int kYields = 4;
 // whole runs; bench/RESULTS.md, "Same core"), and a call's work is too short for the spin to
 // cost much.
 constexpr int64_t kDefaultSharedCoreBytes = 1 << 20;
+// RINGREDUCE_MOVE_US's default: below RINGREDUCE_SHARED_CORE_BYTES, a spinning waiter that has
+// spun this long and finds that its peer last published from its own CPU moves itself to
+// another CPU (move_off_this_cpu), once per wait. Such a pair stays on one core for whole runs
+// otherwise: both cores hold two busy tasks, which the balancer calls balanced, and every
+// hand-off costs a spin (2-4.6 ms per 8 B-64 KiB call). Measured with bench/load.py, 2 ranks
+// beside one busy loop per core in the ranks' session, 12 runs of each alternated, the async and
+// the inline backend in each (bench/RESULTS.md, issue 49): sizes 8 B-64 KiB over 1 ms per call
+// in 15 of 72 (sweep, size) cells without it, 4 sweeps stalled at every size; 2 of 72 with it,
+// none past one size. Quiet, the ranks sit on
+// cores of their own and never meet the condition. 0 turns it off.
+constexpr int64_t kDefaultMoveUs = 50;
 
 // Bytes of each point-to-point ring: a quarter of the staging size shared among the
 // destinations, at least a page. Larger messages stream through in pieces; this only bounds
@@ -170,6 +181,28 @@ void ask_for_slice(int64_t ns) {
   syscall(SYS_sched_setattr, 0, &a, 0u);
 }
 
+// Moves the calling thread off the CPU it runs on, to another that its affinity mask allows,
+// and gives it back its mask at once (the scheduler keeps it where it now runs until it has a
+// reason to move it). At most once per 10 ms per thread; nothing where the mask allows one CPU
+// or cannot be read. Where other processes keep every core busy, the scheduler may put two
+// spinning ranks on one core and the others' tasks on the other: two tasks per core, balanced
+// in its eyes, so it leaves them, and each hand-off waits for a whole spin.
+void move_off_this_cpu() {
+  thread_local Clock::time_point last{};
+  const auto now = Clock::now();
+  if (now - last < std::chrono::milliseconds(10)) return;
+  last = now;
+  cpu_set_t mask;
+  CPU_ZERO(&mask);
+  if (sched_getaffinity(0, sizeof(mask), &mask) != 0) return;
+  const int cpu = sched_getcpu();
+  if (cpu < 0 || cpu >= CPU_SETSIZE || !CPU_ISSET(cpu, &mask) || CPU_COUNT(&mask) < 2) return;
+  cpu_set_t others = mask;
+  CPU_CLR(cpu, &others);
+  if (sched_setaffinity(0, sizeof(others), &others) != 0) return;
+  sched_setaffinity(0, sizeof(mask), &mask);
+}
+
 // CPUs this process may run on (its affinity mask, which taskset and cgroup cpusets narrow).
 int usable_cpus() {
   cpu_set_t set;
@@ -251,6 +284,8 @@ HostGroup::HostGroup(int rank, int nranks, int64_t capacity, double timeout_s,
   slice_ns_ = env_int("RINGREDUCE_SLICE_US", -1, 0, 100000,
                       "a number of microseconds (0: ask for nothing)");
   slice_ns_ = slice_ns_ >= 0 ? slice_ns_ * 1000 : (spin_ns_ > 0 ? 0 : kDefaultSliceNs);
+  move_ns_ = env_int("RINGREDUCE_MOVE_US", kDefaultMoveUs, 0, kMaxSpinNs / 1000,
+                     "a number of microseconds (0: never move off a peer's CPU)") * 1000;
   shared_core_bytes_ = env_int("RINGREDUCE_SHARED_CORE_BYTES", kDefaultSharedCoreBytes, 0,
                                int64_t(1) << 62, "a number of bytes (collectives from this size "
                                "up yield to a peer on the same CPU)");
@@ -512,7 +547,8 @@ Ctx HostGroup::begin(Kind kind, int64_t bytes) {
 
 void HostGroup::publish(uint64_t value) {
   Header* own = headers_[size_t(rank_)];
-  if (shared_core_yield_) own->last_cpu.store(sched_getcpu(), std::memory_order_relaxed);
+  if (shared_core_yield_ || move_ns_ > 0)
+    own->last_cpu.store(sched_getcpu(), std::memory_order_relaxed);
   own->progress.store(value, std::memory_order_seq_cst);
   own->wake.fetch_add(1, std::memory_order_seq_cst);
   if (own->waiters.load(std::memory_order_seq_cst) != 0) futex_wake_all(&own->wake);
@@ -592,16 +628,23 @@ void HostGroup::wait(int peer, uint64_t target, const Ctx& ctx, const char* what
   // group does not fit the cores (see kDefaultSpinNs and kYields). The clock is read every 64
   // pauses.
   if (spin_ns_ > 0) {
-    const auto until = Clock::now() + std::chrono::nanoseconds(spin_ns_);
+    const auto spun = Clock::now();
+    const auto until = spun + std::chrono::nanoseconds(spin_ns_);
+    auto move_at = move_ns_ > 0 ? spun + std::chrono::nanoseconds(move_ns_) : until;
     for (uint32_t i = 1;; ++i) {
       cpu_relax();
       if (h->progress.load(std::memory_order_acquire) >= target) return;
       if ((i & 63) == 0) {
-        if (Clock::now() >= until) break;
+        const auto now = Clock::now();
+        if (now >= until) break;
         if (spin_yield_ ||
             (shared_core_yield_ &&
-             h->last_cpu.load(std::memory_order_relaxed) == sched_getcpu()))
+             h->last_cpu.load(std::memory_order_relaxed) == sched_getcpu())) {
           sched_yield();
+        } else if (now >= move_at) {
+          move_at = until;
+          if (h->last_cpu.load(std::memory_order_relaxed) == sched_getcpu()) move_off_this_cpu();
+        }
       }
     }
   }

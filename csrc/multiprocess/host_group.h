@@ -327,6 +327,7 @@ class HostGroup {
   size_t small_stride_ = 0;  // bytes from one slot to the next
   int64_t spin_ns_;          // how long a wait spins before it sleeps
   bool spin_yield_;          // RINGREDUCE_SPIN_YIELD: sched_yield inside the spin too
+  int64_t move_ns_;          // RINGREDUCE_MOVE_US: spin before moving off a peer's CPU (0: never)
   int64_t slice_ns_;         // RINGREDUCE_SLICE_US: the time slice a collective's thread asks for
   int64_t shared_core_bytes_;  // RINGREDUCE_SHARED_CORE_BYTES
   bool shared_core_yield_ = false;  // this collective: yield to a peer on this CPU

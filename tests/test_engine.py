@@ -108,9 +108,24 @@ def test_caller_runs_knob_sends_every_collective_through_the_progress_thread(tmp
 def _callback_outlives_group(rank, world, store):
     import threading
     init(rank, world, store)
+    # Rank 0's all_reduce cannot complete before rank 1 has joined it, and rank 1 joins only
+    # once rank 0 has chained its callback: so the callback runs on rank 0's completion thread.
+    # (A future already complete when `then` is called runs the callback at once in the caller:
+    # what the ranks did before this handshake, now and then, when the collective finished
+    # first.) Rank 1 only takes part.
+    handshake = dist.FileStore(f"{store}-handshake", world)
+    if rank == 1:
+        handshake.wait(["chained"], datetime.timedelta(seconds=30))
+        t = torch.ones(4)
+        dist.all_reduce(t)
+        assert torch.equal(t, torch.full((4,), 2.0)), t
+        dist.destroy_process_group()
+        return None
     entered, release = threading.Event(), threading.Event()
+    ran_on = []
 
     def slow(fut):
+        ran_on.append(threading.get_native_id())
         entered.set()
         release.wait(20)
         return fut.value()[0]
@@ -118,26 +133,27 @@ def _callback_outlives_group(rank, world, store):
     work = dist.all_reduce(torch.ones(4), async_op=True)
     chained = work.get_future().then(slow)
     del work  # the completion thread's task now holds the only Work, and through it the group
+    handshake.set("chained", "1")
     assert entered.wait(20)
+    (tid,) = ran_on
+    assert tid != threading.get_native_id(), "the callback ran in the caller"
     start = time.monotonic()
     dist.destroy_process_group()  # its completion thread is inside `slow`: left detached
     shut = time.monotonic() - start
     named = thread_names()  # the detached completion thread among them
-    threads = len(named)
     release.set()
     value = chained.wait()
     # The task ends, dropping the last reference to the group from inside the completion
     # thread, which must then leave at once (it used to wait 5 s for itself in the group's
-    # destructor, then lock the freed group's mutex).
+    # destructor, then lock the freed group's mutex). Watched by its id: other threads may
+    # come meanwhile (numpy's BLAS pool starts when numpy is first used).
     start = time.monotonic()
-    while thread_count() >= threads and time.monotonic() - start < 3.0:
+    while os.path.exists(f"/proc/self/task/{tid}") and time.monotonic() - start < 3.0:
         time.sleep(0.01)
     left = time.monotonic() - start
-    # Which threads were there when the count was taken and which are there now, so that a
-    # failure says whether the completion thread stayed or another thread came.
     seen = f"then {sorted(named.items())}, now {sorted(thread_names().items())}"
     time.sleep(0.5)
-    return shut, float(value[0]), left, seen
+    return shut, float(value[0]), left, tid in named, seen
 
 
 def test_completion_thread_outlives_its_group(tmp_path):
@@ -147,11 +163,14 @@ def test_completion_thread_outlives_its_group(tmp_path):
     With the completion state owned by the group, the thread waited 5 s for itself in the
     group's destructor (this failed: still there after 3 s), then used the freed group
     (scripts/sanitize.sh also runs this test under AddressSanitizer)."""
-    for shut, value, left, seen in values(run_ranks(_callback_outlives_group, 2, tmp_path)):
-        assert value == 2.0
-        assert shut < 4.0, f"destroy_process_group took {shut:.1f} s"
-        assert left < 2.0, (f"the completion thread was still there {left:.1f} s after its "
-                            f"task; threads {seen}")
+    rank0, rank1 = values(run_ranks(_callback_outlives_group, 2, tmp_path))
+    assert rank1 is None
+    shut, value, left, counted, seen = rank0
+    assert value == 2.0
+    assert shut < 4.0, f"destroy_process_group took {shut:.1f} s"
+    assert counted, f"the completion thread was gone before its task ended; threads {seen}"
+    assert left < 2.0, (f"the completion thread was still there {left:.1f} s after its "
+                        f"task; threads {seen}")
 
 
 class _SlowBackward(torch.autograd.Function):

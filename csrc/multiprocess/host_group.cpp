@@ -87,8 +87,8 @@ constexpr int64_t kDefaultSharedCoreBytes = 1 << 20;
 // beside one busy loop per core in the ranks' session, 12 runs of each alternated, the async and
 // the inline backend in each (bench/RESULTS.md, issue 49): sizes 8 B-64 KiB over 1 ms per call
 // in 15 of 72 (sweep, size) cells without it, 4 sweeps stalled at every size; 2 of 72 with it,
-// none past one size. Quiet, the ranks sit on
-// cores of their own and never meet the condition. 0 turns it off.
+// none past one size. Quiet, the ranks sit on cores of their own and never meet the condition.
+// 0 turns it off; groups whose waits do not spin never move.
 constexpr int64_t kDefaultMoveUs = 50;
 
 // Bytes of each point-to-point ring: a quarter of the staging size shared among the
@@ -286,6 +286,7 @@ HostGroup::HostGroup(int rank, int nranks, int64_t capacity, double timeout_s,
   slice_ns_ = slice_ns_ >= 0 ? slice_ns_ * 1000 : (spin_ns_ > 0 ? 0 : kDefaultSliceNs);
   move_ns_ = env_int("RINGREDUCE_MOVE_US", kDefaultMoveUs, 0, kMaxSpinNs / 1000,
                      "a number of microseconds (0: never move off a peer's CPU)") * 1000;
+  if (spin_ns_ == 0) move_ns_ = 0;  // the move is made from inside the spin: no CPU to record
   shared_core_bytes_ = env_int("RINGREDUCE_SHARED_CORE_BYTES", kDefaultSharedCoreBytes, 0,
                                int64_t(1) << 62, "a number of bytes (collectives from this size "
                                "up yield to a peer on the same CPU)");
@@ -637,13 +638,21 @@ void HostGroup::wait(int peer, uint64_t target, const Ctx& ctx, const char* what
       if ((i & 63) == 0) {
         const auto now = Clock::now();
         if (now >= until) break;
-        if (spin_yield_ ||
-            (shared_core_yield_ &&
-             h->last_cpu.load(std::memory_order_relaxed) == sched_getcpu())) {
+        if (spin_yield_) {
           sched_yield();
-        } else if (now >= move_at) {
-          move_at = until;
-          if (h->last_cpu.load(std::memory_order_relaxed) == sched_getcpu()) move_off_this_cpu();
+          continue;
+        }
+        // A peer that last published from this CPU: yield to it (large collectives), or move
+        // off its CPU (once per wait, after move_ns_).
+        const bool move = !shared_core_yield_ && now >= move_at;
+        if (move) move_at = until;
+        if ((shared_core_yield_ || move) &&
+            h->last_cpu.load(std::memory_order_relaxed) == sched_getcpu()) {
+          if (move) {
+            move_off_this_cpu();
+          } else {
+            sched_yield();
+          }
         }
       }
     }

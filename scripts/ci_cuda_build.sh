@@ -15,6 +15,8 @@
 #    skips it): the extension built against it, imported, and the tests that exercise the
 #    backend's and the list API's torch glue (CUDA_NEW_TESTS) run on it.
 # The CPU-torch run in .ci/run stays as it is; this works in venvs and copies of its own.
+#    It takes about 11 minutes (a venv, a CUDA build, the tests); CI_DEADLINE (seconds since
+#    the epoch by which CI must end; .ci/run sets it) skips it, saying so, when it would end later.
 # Knobs: RINGREDUCE_CUDA_TORCH (2.11.0); RINGREDUCE_CUDA_TORCH_NEW (2.14.1); CUDA_HOME
 # (/usr/local/cuda); RINGREDUCE_CUDA_ARCH_LIST (9.0: one arch keeps a build near 4 minutes);
 # CI_CUDA_WORKDIR (default a fresh temporary folder, removed at the end).
@@ -28,6 +30,7 @@ torch_new=${RINGREDUCE_CUDA_TORCH_NEW-2.14.1}
 # Device-independent runs of launchers and long jobs: torch's own suite, the clients under
 # torchrun, the fresh-venv install, the trainer, two hosts, the benchmarks' runs, the engine's
 # soak. Their code paths do not differ between a CPU and a CUDA build; .ci/run runs them.
+# So do the host-memory small path (host_group.cpp: no CUDA branch) and the GPU plan's checks.
 # Likewise the fake-runtime drivers (the host compiler builds the CUDA sources against
 # tests/fake_cuda: the same programs whichever torch is installed; 3.7 min of CI here) and the
 # pure-Python tests of the benchmarks' and the tests' own helpers.
@@ -37,7 +40,8 @@ CUDA_BUILD_SKIPPED=(test_torch_suite.py test_clients.py test_install.py test_tra
                     test_step_kernel.py test_peer_memo.py test_launch_geometry.py
                     test_cuda_host_cost.py test_capture_mode.py
                     test_costmodel.py test_checks.py test_bench_coldcall.py
-                    test_bench_fr_cost.py test_bench_load.py)
+                    test_bench_fr_cost.py test_bench_load.py test_bench_cpushare.py
+                    test_small_path.py test_gpu_plan.py)
 # The tests of the torch glue run on the newest torch (CUDA_BUILD_TESTS run on torch_version).
 CUDA_NEW_TESTS=(tests/test_backend_engine.py tests/test_distributed_surface.py
                 tests/test_validation.py tests/test_data_parallel.py)
@@ -127,6 +131,13 @@ unset RINGREDUCE_REQUIRE_INSTALL_TEST
   -k "fails_the_group or abort or dead_peer or caller_runs or outlives")
 stamp "tests on torch $torch_version done"
 
+new_torch_s=${CI_NEW_TORCH_S:-720}  # stage 3's length on a 2-core CI machine, with margin
+if [ -n "$torch_new" ] && [ -n "${CI_DEADLINE:-}" ] &&
+   [ $(( $(date +%s) + new_torch_s )) -gt "$CI_DEADLINE" ]; then
+  echo "== 3. SKIPPED: the newest torch, $torch_new (about $new_torch_s s) would end CI" \
+    "$(( $(date +%s) + new_torch_s - CI_DEADLINE )) s past its deadline (CI_DEADLINE)"
+  torch_new=
+fi
 if [ -n "$torch_new" ]; then
   echo "== 3. the newest torch here, $torch_new: build, import, the torch glue's tests"
   venv "$work/venv-new" "$torch_new"

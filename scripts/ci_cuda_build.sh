@@ -14,9 +14,9 @@
 # 3. Beside it, the newest torch this machine holds (RINGREDUCE_CUDA_TORCH_NEW, 2.14.1; empty
 #    skips it): the extension built against it, imported, and the tests that exercise the
 #    backend's and the list API's torch glue (CUDA_NEW_TESTS) run on it.
-# The CPU-torch run in .ci/run stays as it is; this works in venvs and copies of its own.
 #    It takes about 11 minutes (a venv, a CUDA build, the tests); CI_DEADLINE (seconds since
 #    the epoch by which CI must end; .ci/run sets it) skips it, saying so, when it would end later.
+# The CPU-torch run in .ci/run stays as it is; this works in venvs and copies of its own.
 # Knobs: RINGREDUCE_CUDA_TORCH (2.11.0); RINGREDUCE_CUDA_TORCH_NEW (2.14.1); CUDA_HOME
 # (/usr/local/cuda); RINGREDUCE_CUDA_ARCH_LIST (9.0: one arch keeps a build near 4 minutes);
 # CI_CUDA_WORKDIR (default a fresh temporary folder, removed at the end).
@@ -132,10 +132,10 @@ unset RINGREDUCE_REQUIRE_INSTALL_TEST
 stamp "tests on torch $torch_version done"
 
 new_torch_s=${CI_NEW_TORCH_S:-720}  # stage 3's length on a 2-core CI machine, with margin
-if [ -n "$torch_new" ] && [ -n "${CI_DEADLINE:-}" ] &&
-   [ $(( $(date +%s) + new_torch_s )) -gt "$CI_DEADLINE" ]; then
+ends=$(( $(date +%s) + new_torch_s ))
+if [ -n "$torch_new" ] && [ -n "${CI_DEADLINE:-}" ] && [ "$ends" -gt "$CI_DEADLINE" ]; then
   echo "== 3. SKIPPED: the newest torch, $torch_new (about $new_torch_s s) would end CI" \
-    "$(( $(date +%s) + new_torch_s - CI_DEADLINE )) s past its deadline (CI_DEADLINE)"
+    "$(( ends - CI_DEADLINE )) s past its deadline (CI_DEADLINE)"
   torch_new=
 fi
 if [ -n "$torch_new" ]; then

@@ -30,10 +30,12 @@ trap 'rm -rf "$out"' EXIT
 # One nvcc per (standard, source), COMPILE_JOBS at a time (default: the usable cores; 2 cores
 # halve CI's 9 minutes); each writes its own log, read back in order once all have ended.
 jobs=${COMPILE_JOBS:-$(nproc)}
+stds=${CUDA_STDS:-c++17 c++20}
 sources=$(find csrc -name '*.cu' | sort)
+ptxas_pass() { [ -n "${PTXAS_LOG:-}" ] && [ "$1" = c++20 ]; }  # ptxas_pass STD: -Xptxas -v?
 compile() {  # compile STD SRC TAG: exit status in $out/TAG.rc, output in $out/TAG.log
   local verbose=()
-  [ -n "${PTXAS_LOG:-}" ] && [ "$1" = c++20 ] && verbose=(-Xptxas -v)
+  if ptxas_pass "$1"; then verbose=(-Xptxas -v); fi
   local rc=0
   "$NVCC" -std="$1" -O3 -Icsrc -DRINGREDUCE_WITH_CUDA -DRINGREDUCE_ARCHS="$token" \
     "${gencode[@]}" -Werror=all-warnings -Xcompiler -Wall,-Werror -Xptxas -Werror \
@@ -41,7 +43,7 @@ compile() {  # compile STD SRC TAG: exit status in $out/TAG.rc, output in $out/T
   echo "$rc" > "$out/$3.rc"
 }
 running=0
-for std in ${CUDA_STDS:-c++17 c++20}; do
+for std in $stds; do
   for src in $sources; do
     tag="$std-$(basename "$src")"
     echo "compile_cuda: $src (-std=$std, sm $token)"
@@ -55,7 +57,7 @@ for std in ${CUDA_STDS:-c++17 c++20}; do
 done
 wait
 status=0
-for std in ${CUDA_STDS:-c++17 c++20}; do
+for std in $stds; do
   for src in $sources; do
     tag="$std-$(basename "$src")"
     if [ "$(cat "$out/$tag.rc" 2>/dev/null || echo 1)" != 0 ]; then
@@ -64,7 +66,7 @@ for std in ${CUDA_STDS:-c++17 c++20}; do
       status=1
       continue
     fi
-    if [ -n "${PTXAS_LOG:-}" ] && [ "$std" = c++20 ]; then
+    if ptxas_pass "$std"; then
       grep -v '^ptxas info' "$out/$tag.log" | grep -v '^ *[0-9]* bytes stack frame' | grep . >&2 || true
       { echo "# source $src"; cat "$out/$tag.log"; } >> "$PTXAS_LOG"
     else
@@ -72,5 +74,5 @@ for std in ${CUDA_STDS:-c++17 c++20}; do
     fi
   done
 done
-[ $status -eq 0 ] && echo "compile_cuda: every CUDA source compiles (sm $token; ${CUDA_STDS:-c++17 c++20})"
+[ $status -eq 0 ] && echo "compile_cuda: every CUDA source compiles (sm $token; $stds)"
 exit $status

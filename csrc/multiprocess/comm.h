@@ -165,6 +165,18 @@ class __attribute__((visibility("hidden"))) Comm {
     if (!op_name.empty()) to_op(op_name, to_dtype(t, fn.c_str(), arg.c_str()), fn.c_str());
   }
 
+  // The path an all_reduce of `t` with `op` would take on host memory here: "small",
+  // "two_shot" or "ring" (cpu_collectives.h), the same on every rank of the group.
+  std::string all_reduce_path(const at::Tensor& t, const std::string& op_name) const {
+    const char* fn = "all_reduce_path";
+    check(t, op_name, fn, "tensor");
+    TORCH_CHECK_VALUE(t.is_cpu(), "ringreduce all_reduce_path: the paths named are those of host "
+                      "memory; got a tensor on ", t.device());
+    const rr::DType dtype = to_dtype(t, fn, "tensor");
+    return rr::dist::cpu::path_name(
+        rr::dist::cpu::all_reduce_path(g_, t.numel(), dtype, to_op(op_name, dtype, fn)));
+  }
+
   void all_reduce(const at::Tensor& t, const std::string& op_name) {
     const char* fn = "all_reduce";
     check_dense(t, fn, "tensor");

@@ -117,6 +117,29 @@ void reduce_slots_in_ring_order(HostGroup& g, int s, char* out, int64_t count, D
   }
 }
 
+// Elements [first, first + len) of the tensor (`count` elements; the round starting at element
+// `lo` staged in every rank's staging area) reduced into `out` in the ring's order: an element
+// of ring chunk c over ranks c, c+1, ..., c-1 (mod N) with the ring's combine, as
+// reduce_slots_in_ring_order does for the small path.
+void reduce_staged_in_ring_order(HostGroup& g, char* out, int64_t count, int64_t lo,
+                                 int64_t first, int64_t len, DType dtype, Op op) {
+  const int n = g.nranks();
+  const int64_t esize = elem_size(dtype);
+  for (int c = 0; c < n; ++c) {
+    const Range chunk = chunk_range(count, n, esize, c);
+    const int64_t a = std::max(first, chunk.offset);
+    const int64_t b = std::min(first + len, chunk.offset + chunk.count);
+    if (a >= b) continue;
+    const int64_t at = (a - lo) * esize;
+    char* dst = out + (a - first) * esize;
+    for (int j = 1; j < n; ++j) {
+      const int r = (c + j) % n;
+      const char* partial = j == 1 ? g.staging(c) + at : dst;
+      ::rr::cpu::combine(dtype, op, dst, g.staging(r) + at, partial, b - a, j == n - 1, n);
+    }
+  }
+}
+
 // The one-round all-reduce of a small tensor (at most g.small_bytes() bytes): every rank copies
 // its input into its own small slot, publishes once, waits until every peer has published, and
 // reduces all N slots straight into its output.
@@ -182,23 +205,27 @@ void small_all_reduce(HostGroup& g, const Ctx& ctx, void* data, int64_t count, D
 }
 
 // The all-reduce of float16 / bfloat16 sums and averages rounded once (rounds_once), for
-// tensors above the small path: a two-shot reduce-scatter + all-gather through the staging
-// areas. Each round carries up to a staging area's worth of elements, cut into N pieces
-// (16-byte multiples); rank r owns piece r.
+// tensors above the small path, and of everything else where HostGroup::two_shot says so (more
+// ranks than cores): a two-shot reduce-scatter + all-gather through the staging areas. Each
+// round carries up to a staging area's worth of elements, cut into N pieces (16-byte
+// multiples); rank r owns piece r.
 //   1. every rank copies the round's elements into its staging area and publishes base + 1;
-//   2. rank r reads piece r from every rank's area, sums it in fp32 in rank order 0, 1, ...,
-//      N-1, rounds once, writes the result over piece r of its own area (no peer reads that
-//      piece of its area) and into its tensor, and publishes base + 2;
+//   2. rank r reads piece r from every rank's area and reduces it: rounded once, summed in
+//      fp32 in rank order 0, 1, ..., N-1, written over piece r of its own area (no peer reads
+//      that piece of its area) and into its tensor; otherwise in the ring's order
+//      (reduce_staged_in_ring_order) into its tensor, then over piece r of its own area; it
+//      publishes base + 2;
 //   3. rank r copies every other rank's finished piece q from rank q's area into its tensor and
 //      publishes base + 3.
-// Bits: every element is the once-rounded fp32 sum in rank order, whatever the round and piece
-// sizes and whichever rank computes it, so every rank holds the same bits, equal to the small
-// path's and the list API's. Traffic per rank and round of S bytes: (N-1)/N * S read from peers
+// Bits: every element is the once-rounded fp32 sum in rank order, or the ring's combine in the
+// ring chunk's order, whatever the round and piece sizes and whichever rank computes it, so
+// every rank holds the same bits, equal to the small path's, the ring's and the list API's. Traffic per rank and round of S bytes: (N-1)/N * S read from peers
 // in step 2 and again in step 3, the ring's 2(N-1)/N * S, in 3 steps instead of 2N - 1; plus
 // the local copy in (S) and the own piece out. The next round's start barrier (wait_all)
 // keeps a rank from overwriting its area while a peer still reads it in step 3.
 void two_shot_all_reduce(HostGroup& g, const Ctx& ctx, void* data, int64_t count, DType dtype,
                          Op op) {
+  const bool once = ::rr::cpu::rounds_once(dtype, op, half_rounding(g));
   const int n = g.nranks();
   const int rank = g.rank();
   const int64_t esize = elem_size(dtype);
@@ -219,7 +246,9 @@ void two_shot_all_reduce(HostGroup& g, const Ctx& ctx, void* data, int64_t count
       return std::min(len, *off + cut) - *off;
     };
     g.wait_all(base, ctx, start_text(i));
-    g.set_desc(host_desc(ctx, int(dtype), int(op), -1, count, i));
+    Desc desc = host_desc(ctx, int(dtype), int(op), -1, count, i);
+    desc.path = kTwoShotPath;
+    g.set_desc(desc);
     copy_bytes(g.staging(rank), bytes + lo * esize, len * esize);
     g.publish(base + 1);
     for (int q = 0; q < n; ++q) {
@@ -229,11 +258,16 @@ void two_shot_all_reduce(HostGroup& g, const Ctx& ctx, void* data, int64_t count
     }
     int64_t off;
     const int64_t mine = piece_of(rank, &off);
-    if (mine > 0) {
+    char* result = g.staging(rank) + off * esize;
+    char* out = bytes + (lo + off) * esize;
+    if (mine > 0 && once) {
       for (int q = 0; q < n; ++q) srcs[size_t(q)] = g.staging(q) + off * esize;
-      char* result = g.staging(rank) + off * esize;
       ::rr::cpu::sum_rounded_once(dtype, op, result, srcs.data(), n, mine);
-      copy_bytes(bytes + (lo + off) * esize, result, mine * esize);
+      copy_bytes(out, result, mine * esize);
+    } else if (mine > 0) {
+      // Into the tensor first (its own input is staged): the staged piece is still an operand.
+      reduce_staged_in_ring_order(g, out, count, lo, lo + off, mine, dtype, op);
+      copy_bytes(result, out, mine * esize);
     }
     g.publish(base + 2);
     for (int j = 1; j < n; ++j) {
@@ -249,16 +283,34 @@ void two_shot_all_reduce(HostGroup& g, const Ctx& ctx, void* data, int64_t count
 
 }  // namespace
 
+AllReducePath all_reduce_path(const HostGroup& g, int64_t count, DType dtype, Op op) {
+  const int64_t bytes = count * elem_size(dtype);
+  if (g.small_bytes() > 0 && bytes <= g.small_bytes()) return AllReducePath::Small;
+  if (::rr::cpu::rounds_once(dtype, op, half_rounding(g)) || g.two_shot(bytes))
+    return AllReducePath::TwoShot;
+  return AllReducePath::Ring;
+}
+
+const char* path_name(AllReducePath p) {
+  switch (p) {
+    case AllReducePath::Small: return "small";
+    case AllReducePath::TwoShot: return "two_shot";
+    case AllReducePath::Ring: return "ring";
+  }
+  return "?";
+}
+
 void all_reduce(HostGroup& g, void* data, int64_t count, DType dtype, Op op) {
   const Ctx ctx = g.begin(Kind::AllReduce, count * elem_size(dtype));
   const int n = g.nranks();
   if (n == 1) return;
   guarded(g, ctx, [&] {
-    if (g.small_bytes() > 0 && count * elem_size(dtype) <= g.small_bytes()) {
+    const AllReducePath path = all_reduce_path(g, count, dtype, op);
+    if (path == AllReducePath::Small) {
       small_all_reduce(g, ctx, data, count, dtype, op);
       return;
     }
-    if (::rr::cpu::rounds_once(dtype, op, half_rounding(g))) {
+    if (path == AllReducePath::TwoShot) {
       two_shot_all_reduce(g, ctx, data, count, dtype, op);
       return;
     }

@@ -11,6 +11,11 @@
 // one round through two per-rank slots, every rank reducing all inputs in the ring's order, so
 // the bits are the ring's at every size (cpu_collectives.cpp, small_all_reduce).
 //
+// Where every rank's waits sleep (more ranks than cores; HostGroup::two_shot), all-reduces of
+// RINGREDUCE_TWO_SHOT_MIN_BYTES to RINGREDUCE_TWO_SHOT_MAX_BYTES (512 KiB-2 MiB) take a two-shot
+// path: 3 hand-offs a round instead of 2N - 1, each element reduced in its ring chunk's order,
+// so the bits are still the ring's.
+//
 // float16 and bfloat16 sums and averages (HostGroup::half_once, RINGREDUCE_HALF_ROUNDING=once,
 // the default) are summed in fp32 in rank order 0, 1, ..., N-1 and rounded once instead
 // (ring/cpu_executor.h, sum_rounded_once): all_reduce through the small slots or a two-shot
@@ -26,6 +31,12 @@
 namespace rr {
 namespace dist {
 namespace cpu {
+
+// The path an all_reduce of `count` elements takes in group `g` (the same on every rank):
+// the one-round small path, the two-shot reduce-scatter + all-gather, or the ring.
+enum class AllReducePath { Small, TwoShot, Ring };
+AllReducePath all_reduce_path(const HostGroup& g, int64_t count, DType dtype, Op op);
+const char* path_name(AllReducePath p);  // "small", "two_shot", "ring"
 
 // In place: every rank's `data` ends up holding the reduction of all ranks' `count` elements.
 void all_reduce(HostGroup& g, void* data, int64_t count, DType dtype, Op op);

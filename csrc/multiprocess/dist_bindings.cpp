@@ -74,6 +74,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            pybind11::arg("fn"), pybind11::arg("arg"))
       .def("set_timeout", &Comm::set_timeout, pybind11::arg("seconds"),
            pybind11::call_guard<pybind11::gil_scoped_release>())
+      .def("all_reduce_path", &Comm::all_reduce_path, pybind11::arg("tensor"),
+           pybind11::arg("op"))
       .def("all_reduce", &Comm::all_reduce, pybind11::arg("tensor"), pybind11::arg("op"),
            pybind11::call_guard<pybind11::gil_scoped_release>())
       .def("broadcast", &Comm::broadcast, pybind11::arg("tensor"), pybind11::arg("root"),

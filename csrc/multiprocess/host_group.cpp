@@ -33,7 +33,7 @@ static_assert(sizeof(std::atomic<uint32_t>) == 4, "the futex word must be 32 bit
 
 namespace {
 
-constexpr uint64_t kMagic = 0x33646572676e6972ULL;  // "ringred3"
+constexpr uint64_t kMagic = 0x34646572676e6972ULL;  // "ringred4"
 constexpr size_t kHeaderBytes = (sizeof(Header) + 4095) / 4096 * 4096;
 constexpr size_t kP2PCounterBytes = (sizeof(P2PCounters) + 4095) / 4096 * 4096;
 
@@ -47,6 +47,16 @@ constexpr size_t kP2PCounterBytes = (sizeof(P2PCounters) + 4095) / 4096 * 4096;
 constexpr int64_t kDefaultSmallBytes = 32 << 10;
 // Its largest accepted value: every segment holds two slots of this size.
 constexpr int64_t kMaxSmallBytes = 16 << 20;
+// RINGREDUCE_TWO_SHOT_{MIN,MAX}_BYTES' defaults: where every rank's waits sleep (more ranks than
+// cores), all-reduces of 512 KiB-2 MiB take the two-shot path (3 hand-offs a round instead of
+// the ring's 2N - 1; the ring's bits). Measured with bench/load.py, 4 ranks on the 2-core
+// machine, float32 sum, alternated with the ring (bench/RESULTS.md, issue 49): beside one busy
+// loop per core 1 MiB took 0.7-2.6 ms a call against the ring's 3.5-4.2 ms, 2 MiB 2.2-3.9 ms
+// against 4.6-5.3, quiet the same as the ring's within the runs' spread; from 4 MiB it is
+// 20-25 % slower than the ring quiet (every rank copies its whole round in, where the ring
+// reads its own operand in place), and 256 KiB is bimodal by run on either path.
+constexpr int64_t kDefaultTwoShotMinBytes = 512 << 10;
+constexpr int64_t kDefaultTwoShotMaxBytes = 2 << 20;
 // How long a wait spins before it sleeps on the futex, when every rank of the group can have
 // a core of its own (RINGREDUCE_SPIN_US overrides). A wait that gives its core away - a futex
 // sleep, or a sched_yield while another process wants the core - costs a scheduler slice
@@ -227,6 +237,7 @@ std::string desc_text(const Desc& d) {
   if (d.root >= 0) s << " root=" << d.root;
   s << (d.device < 0 ? " on cpu" : " on cuda");
   if (Kind(d.kind) == Kind::AllReduce && d.round == kSmallRound) s << " (small-message path)";
+  if (Kind(d.kind) == Kind::AllReduce && d.path == kTwoShotPath) s << " (two-shot path)";
   return s.str();
 }
 
@@ -271,6 +282,12 @@ HostGroup::HostGroup(int rank, int nranks, int64_t capacity, double timeout_s,
     : rank_(rank), nranks_(nranks), capacity_(capacity), p2p_ring_bytes_(0),
       small_bytes_(env_int("RINGREDUCE_SMALL_BYTES", kDefaultSmallBytes, 0, kMaxSmallBytes,
                            "a number of bytes (0 disables the one-round small all-reduce)")),
+      two_shot_min_(env_int("RINGREDUCE_TWO_SHOT_MIN_BYTES", kDefaultTwoShotMinBytes, 0,
+                            int64_t(1) << 62, "a number of bytes (the smallest all-reduce "
+                            "that takes the two-shot path where waits sleep)")),
+      two_shot_max_(env_int("RINGREDUCE_TWO_SHOT_MAX_BYTES", kDefaultTwoShotMaxBytes, 0,
+                            int64_t(1) << 62, "a number of bytes (the largest all-reduce that "
+                            "takes the two-shot path where waits sleep; 0: none)")),
       half_once_(::rr::cpu::half_rounding_setting() == ::rr::cpu::HalfRounding::Once),
       cuda_half_once_(::rr::cpu::cuda_half_rounding_setting() == ::rr::cpu::HalfRounding::Once),
       headers_(size_t(nranks), nullptr) {
@@ -337,6 +354,9 @@ HostGroup::HostGroup(int rank, int nranks, int64_t capacity, double timeout_s,
   h->small_bytes = small_bytes_;
   h->half_once = half_once_ ? 1 : 0;
   h->cuda_half_once = cuda_half_once_ ? 1 : 0;
+  h->waits_sleep = waits_sleep() ? 1 : 0;
+  h->two_shot_min = two_shot_min_;
+  h->two_shot_max = two_shot_max_;
   h->progress.store(0, std::memory_order_relaxed);
   h->last_cpu.store(-1, std::memory_order_relaxed);
   h->wake.store(0, std::memory_order_relaxed);
@@ -410,19 +430,26 @@ void HostGroup::attach(const std::vector<std::string>& names) {
                       std::to_string(r) + " of " + std::to_string(nranks_) + ")");
     // Both sizes decide which path a collective takes: ranks that differ would deadlock or
     // exchange garbage instead of failing, so the group refuses to form.
-    if (!same_settings(h))
-      throw CommError(
-          setting_mismatch(r, h->capacity, h->small_bytes, h->half_once, h->cuda_half_once));
+    if (!same_settings(h)) throw CommError(setting_mismatch(h));
   }
+  // Which path an all-reduce takes must be the same on every rank: the two-shot path only
+  // where every rank's waits sleep (each rank counts its own cores; they may differ).
+  all_sleep_ = true;
+  for (const Header* h : headers_) all_sleep_ = all_sleep_ && h->waits_sleep == 1;
 }
 
 bool HostGroup::same_settings(const Header* h) const {
   return h->small_bytes == small_bytes_ && h->capacity == capacity_ &&
-         h->half_once == (half_once_ ? 1 : 0) && h->cuda_half_once == (cuda_half_once_ ? 1 : 0);
+         h->half_once == (half_once_ ? 1 : 0) && h->cuda_half_once == (cuda_half_once_ ? 1 : 0) &&
+         h->two_shot_min == two_shot_min_ && h->two_shot_max == two_shot_max_;
 }
 
-std::string HostGroup::setting_mismatch(int peer, int64_t capacity, int64_t small_bytes,
-                                        int32_t half_once, int32_t cuda_half_once) const {
+std::string HostGroup::setting_mismatch(const Header* h) const {
+  const int peer = h->rank;
+  const int64_t capacity = h->capacity;
+  const int64_t small_bytes = h->small_bytes;
+  const int32_t half_once = h->half_once;
+  const int32_t cuda_half_once = h->cuda_half_once;
   std::ostringstream s;
   s << "ringreduce: rank " << peer << " and rank " << rank_ << " (this one) were started with "
     << "different settings: ";
@@ -438,6 +465,12 @@ std::string HostGroup::setting_mismatch(int peer, int64_t capacity, int64_t smal
   if (cuda_half_once != (cuda_half_once_ ? 1 : 0))
     s << "RINGREDUCE_CUDA_HALF_ROUNDING " << (cuda_half_once ? "once" : "per_hop") << " on rank "
       << peer << " but " << (cuda_half_once_ ? "once" : "per_hop") << " here; ";
+  if (h->two_shot_min != two_shot_min_)
+    s << "RINGREDUCE_TWO_SHOT_MIN_BYTES " << h->two_shot_min << " on rank " << peer << " but "
+      << two_shot_min_ << " here; ";
+  if (h->two_shot_max != two_shot_max_)
+    s << "RINGREDUCE_TWO_SHOT_MAX_BYTES " << h->two_shot_max << " on rank " << peer << " but "
+      << two_shot_max_ << " here; ";
   s << "every rank must use the same values";
   return s.str();
 }
@@ -451,8 +484,7 @@ std::string HostGroup::size_mismatch(int fd, size_t size) const {
       const Header* h = static_cast<const Header*>(p);
       std::string text;
       if (h->magic == kMagic && !same_settings(h))
-        text = setting_mismatch(h->rank, h->capacity, h->small_bytes, h->half_once,
-                                h->cuda_half_once);
+        text = setting_mismatch(h);
       munmap(p, kHeaderBytes);
       if (!text.empty()) return text.substr(std::string("ringreduce: ").size());
     }
@@ -734,7 +766,7 @@ void HostGroup::check_small_desc(int peer, int s, const Ctx& ctx) const {
 void HostGroup::compare_descs(const Desc& a, const Desc& b_seen, int peer, const Ctx& ctx) const {
   if (a.seq == b_seen.seq && a.kind == b_seen.kind && a.dtype == b_seen.dtype &&
       a.op == b_seen.op && a.root == b_seen.root && a.count == b_seen.count &&
-      a.round == b_seen.round && (a.device < 0) == (b_seen.device < 0))
+      a.round == b_seen.round && a.path == b_seen.path && (a.device < 0) == (b_seen.device < 0))
     return;
   // A peer that took the other path (ring or small all-reduce, because it was given another
   // size) described collective #seq in the other place: report that description. The peer may

@@ -65,11 +65,13 @@ struct Desc {
   int64_t round;    // round within the collective (large CPU tensors go in rounds), or
                     // kSmallRound
   int32_t device;   // -1: host memory; otherwise the CUDA ordinal of the rank's buffer
-  int32_t pad;
+  int32_t path;     // kTwoShotPath: an all-reduce round of the two-shot path; 0 otherwise
 };
 
 // Desc::round of an all-reduce that takes the one-round small-message path.
 constexpr int64_t kSmallRound = -1;
+// Desc::path of an all-reduce round that takes the two-shot path (cpu_collectives.cpp).
+constexpr int32_t kTwoShotPath = 1;
 
 inline Desc make_desc(uint64_t seq, Kind kind, int dtype, int op, int root, int64_t count,
                       int64_t round, int device) {
@@ -112,6 +114,9 @@ struct alignas(64) Header {
   int64_t small_bytes;  // RINGREDUCE_SMALL_BYTES: data bytes of each small-message slot
   int32_t half_once;    // RINGREDUCE_HALF_ROUNDING: 1 once (the default), 0 per_hop
   int32_t cuda_half_once;  // RINGREDUCE_CUDA_HALF_ROUNDING: 1 once, 0 per_hop (the default)
+  int32_t waits_sleep;     // 1: this rank's waits do not spin (HostGroup::waits_sleep)
+  int64_t two_shot_min;    // RINGREDUCE_TWO_SHOT_MIN_BYTES
+  int64_t two_shot_max;    // RINGREDUCE_TWO_SHOT_MAX_BYTES
   alignas(64) std::atomic<uint64_t> progress;
   // The CPU this rank last published from, in collectives of at least
   // RINGREDUCE_SHARED_CORE_BYTES (HostGroup::begin): a waiter on the same CPU yields to it.
@@ -196,6 +201,16 @@ class HostGroup {
   // RINGREDUCE_CUDA_HALF_ROUNDING=once when the group was made (the same on every rank): the
   // CUDA collectives' float16 / bfloat16 sums and averages are rounded once.
   bool cuda_half_once() const { return cuda_half_once_; }
+  // True when this rank's waits sleep at once instead of spinning: the group's ranks outnumber
+  // this process's cores, or RINGREDUCE_SPIN_US=0.
+  bool waits_sleep() const { return spin_ns_ == 0; }
+  // Whether an all-reduce of `bytes` bytes per rank that rounds like the ring takes the two-shot
+  // path with the ring's bits instead of the ring (cpu_collectives.cpp): in a group where every
+  // rank's waits sleep (known once attached; the same answer on every rank), for sizes in
+  // [RINGREDUCE_TWO_SHOT_MIN_BYTES, RINGREDUCE_TWO_SHOT_MAX_BYTES].
+  bool two_shot(int64_t bytes) const {
+    return all_sleep_ && bytes >= two_shot_min_ && bytes <= two_shot_max_;
+  }
   void set_timeout(double seconds);
   std::chrono::nanoseconds timeout() const { return timeout_; }
 
@@ -311,8 +326,7 @@ class HostGroup {
                                        const char* what, Problem problem) const;
   std::string where_is(int peer) const;  // "is at step 2 of this phase" etc.
   void compare_descs(const Desc& mine, const Desc& theirs, int peer, const Ctx& ctx) const;
-  std::string setting_mismatch(int peer, int64_t capacity, int64_t small_bytes,
-                               int32_t half_once, int32_t cuda_half_once) const;
+  std::string setting_mismatch(const Header* h) const;
   bool same_settings(const Header* h) const;
   std::string size_mismatch(int fd, size_t size) const;  // why a peer's segment size differs
 
@@ -321,6 +335,9 @@ class HostGroup {
   int64_t capacity_;
   int64_t p2p_ring_bytes_;
   int64_t small_bytes_;
+  int64_t two_shot_min_;
+  int64_t two_shot_max_;
+  bool all_sleep_ = false;   // every rank's waits sleep (attach)
   bool half_once_;
   bool cuda_half_once_;
   size_t small_offset_ = 0;  // of the small-message slots in every segment

@@ -50,11 +50,11 @@ constexpr int64_t kMaxSmallBytes = 16 << 20;
 // RINGREDUCE_TWO_SHOT_{MIN,MAX}_BYTES' defaults: where every rank's waits sleep (more ranks than
 // cores), all-reduces of 512 KiB-2 MiB take the two-shot path (3 hand-offs a round instead of
 // the ring's 2N - 1; the ring's bits). Measured with bench/load.py, 4 ranks on the 2-core
-// machine, float32 sum, alternated with the ring (bench/RESULTS.md, issue 49): beside one busy
-// loop per core 1 MiB took 0.7-2.6 ms a call against the ring's 3.5-4.2 ms, 2 MiB 2.2-3.9 ms
-// against 4.6-5.3, quiet the same as the ring's within the runs' spread; from 4 MiB it is
-// 20-25 % slower than the ring quiet (every rank copies its whole round in, where the ring
-// reads its own operand in place), and 256 KiB is bimodal by run on either path.
+// machine, float32 sum, 9 runs alternated with the ring (bench/RESULTS.md, issue 49): beside one
+// busy loop per core 1 MiB took 3.2 ms a call (median) against the ring's 3.9, 2 MiB 5.0
+// against 6.0, quiet 0.88 and 2.2 against 1.21 and 2.5; a probe showed it 20-25 % slower than
+// the ring quiet at 4-8 MiB (every rank copies its whole round in, where the ring reads its own
+// operand in place), and 256 KiB is bimodal by run on either path.
 constexpr int64_t kDefaultTwoShotMinBytes = 512 << 10;
 constexpr int64_t kDefaultTwoShotMaxBytes = 2 << 20;
 // How long a wait spins before it sleeps on the futex, when every rank of the group can have

@@ -113,13 +113,21 @@ def _large(rank, world, store):
         seen.append(_path(group, t, "sum"))
         dist.all_reduce(t, group=group)
         assert torch.equal(t, ring_model(inputs, "sum")), (rank, nbytes)
+    # RINGREDUCE_TWO_SHOT_MAX_BYTES=0: never, not even for an empty tensor.
+    off = _group(RINGREDUCE_SPIN_US=0, RINGREDUCE_SMALL_BYTES=0, RINGREDUCE_TWO_SHOT_MIN_BYTES=0,
+                 RINGREDUCE_TWO_SHOT_MAX_BYTES=0)
+    for count in (0, MIB // 4):
+        t = torch.full((count,), float(rank + 1))
+        seen.append(_path(off, t, "sum"))
+        dist.all_reduce(t, group=off)
+        assert torch.equal(t, torch.full((count,), float(world * (world + 1) // 2))), count
     dist.destroy_process_group()
     return seen
 
 
 @pytest.mark.timeout(120)
 def test_default_window(tmp_path):
-    want = ["ring", "two_shot", "two_shot", "two_shot", "ring"]
+    want = ["ring", "two_shot", "two_shot", "two_shot", "ring", "ring", "ring"]
     assert values(run_ranks(_large, 3, tmp_path)) == [want] * 3
 
 

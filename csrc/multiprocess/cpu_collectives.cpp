@@ -219,9 +219,10 @@ void small_all_reduce(HostGroup& g, const Ctx& ctx, void* data, int64_t count, D
 //      publishes base + 3.
 // Bits: every element is the once-rounded fp32 sum in rank order, or the ring's combine in the
 // ring chunk's order, whatever the round and piece sizes and whichever rank computes it, so
-// every rank holds the same bits, equal to the small path's, the ring's and the list API's. Traffic per rank and round of S bytes: (N-1)/N * S read from peers
-// in step 2 and again in step 3, the ring's 2(N-1)/N * S, in 3 steps instead of 2N - 1; plus
-// the local copy in (S) and the own piece out. The next round's start barrier (wait_all)
+// every rank holds the same bits, equal to the small path's, the ring's and the list API's.
+// Traffic per rank and round of S bytes: (N-1)/N * S read from peers in step 2 and again in
+// step 3, the ring's 2(N-1)/N * S, in 3 steps instead of 2N - 1; plus the local copy in (S) and
+// the own piece out. The next round's start barrier (wait_all)
 // keeps a rank from overwriting its area while a peer still reads it in step 3.
 void two_shot_all_reduce(HostGroup& g, const Ctx& ctx, void* data, int64_t count, DType dtype,
                          Op op) {

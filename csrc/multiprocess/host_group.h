@@ -209,7 +209,7 @@ class HostGroup {
   // rank's waits sleep (known once attached; the same answer on every rank), for sizes in
   // [RINGREDUCE_TWO_SHOT_MIN_BYTES, RINGREDUCE_TWO_SHOT_MAX_BYTES].
   bool two_shot(int64_t bytes) const {
-    return all_sleep_ && bytes >= two_shot_min_ && bytes <= two_shot_max_;
+    return all_sleep_ && two_shot_max_ > 0 && bytes >= two_shot_min_ && bytes <= two_shot_max_;
   }
   void set_timeout(double seconds);
   std::chrono::nanoseconds timeout() const { return timeout_; }

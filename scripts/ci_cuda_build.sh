@@ -30,7 +30,8 @@ torch_new=${RINGREDUCE_CUDA_TORCH_NEW-2.14.1}
 # Device-independent runs of launchers and long jobs: torch's own suite, the clients under
 # torchrun, the fresh-venv install, the trainer, two hosts, the benchmarks' runs, the engine's
 # soak. Their code paths do not differ between a CPU and a CUDA build; .ci/run runs them.
-# So do the host-memory small path (host_group.cpp: no CUDA branch) and the GPU plan's checks.
+# So do the host-memory small and two-shot paths (cpu_collectives.cpp, host_group.cpp: no CUDA
+# branch) and the GPU plan's checks.
 # Likewise the fake-runtime drivers (the host compiler builds the CUDA sources against
 # tests/fake_cuda: the same programs whichever torch is installed; 3.7 min of CI here) and the
 # pure-Python tests of the benchmarks' and the tests' own helpers.
@@ -41,7 +42,7 @@ CUDA_BUILD_SKIPPED=(test_torch_suite.py test_clients.py test_install.py test_tra
                     test_cuda_host_cost.py test_capture_mode.py
                     test_costmodel.py test_checks.py test_bench_coldcall.py
                     test_bench_fr_cost.py test_bench_load.py test_bench_cpushare.py
-                    test_small_path.py test_gpu_plan.py)
+                    test_small_path.py test_two_shot.py test_gpu_plan.py)
 # The tests of the torch glue run on the newest torch (CUDA_BUILD_TESTS run on torch_version).
 CUDA_NEW_TESTS=(tests/test_backend_engine.py tests/test_distributed_surface.py
                 tests/test_validation.py tests/test_data_parallel.py)

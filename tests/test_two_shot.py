@@ -25,19 +25,15 @@ import torch.distributed as dist
 import ringreduce.distributed as rrd
 from reference import ALL_DTYPES, random_inputs, ring_model, rounds_once, valid_ops
 from test_distributed import init, run_ranks, values
+from test_small_path import _op
 
 KIB = 1 << 10
 MIB = 1 << 20
 DEFAULT_MIN = 512 * KIB  # host_group.cpp kDefaultTwoShotMinBytes
 DEFAULT_MAX = 2 * MIB    # kDefaultTwoShotMaxBytes
 MARK = "(two-shot path)"  # what a descriptor of the two-shot path says
-TORCH_OPS = {"prod": "PRODUCT"}
 KNOBS = ("RINGREDUCE_SPIN_US", "RINGREDUCE_TWO_SHOT_MIN_BYTES", "RINGREDUCE_TWO_SHOT_MAX_BYTES",
          "RINGREDUCE_SMALL_BYTES", "RINGREDUCE_SHM_BYTES")
-
-
-def _op(name):
-    return getattr(dist.ReduceOp, TORCH_OPS.get(name, name.upper()))
 
 
 def _group(timeout=30.0, **env):

@@ -95,47 +95,27 @@ void copy_out(char* dst, char* dst2, const char* src, int64_t bytes) {
   }
 }
 
-// The small path's reduction in the ring's order (see small_all_reduce): element i of ring
-// chunk c combined over the slots in the order c, c+1, ..., c-1 (mod N) into `out`.
-void reduce_slots_in_ring_order(HostGroup& g, int s, char* out, int64_t count, DType dtype,
-                                Op op) {
-  const int n = g.nranks();
+// Elements [first, first + len) of a tensor of `count` elements reduced into `out` (element
+// `first`'s place) in the ring's order: element i of ring chunk c combined over the ranks' copies
+// in the order c, c+1, ..., c-1 (mod N) with the ring's combine. `src(r)` points at rank r's copy
+// of element `first`: a small slot (small_all_reduce) or a staging area (two_shot_all_reduce).
+template <typename Src>
+void reduce_in_ring_order(int n, int64_t count, int64_t first, int64_t len, char* out, Src src,
+                          DType dtype, Op op) {
   const int64_t esize = elem_size(dtype);
   for (int c = 0; c < n; ++c) {
     const Range chunk = chunk_range(count, n, esize, c);
-    if (chunk.count == 0) continue;
-    const int64_t off = chunk.offset * esize;
-    char* dst = out + off;
+    const int64_t lo = std::max(first, chunk.offset);
+    const int64_t hi = std::min(first + len, chunk.offset + chunk.count);
+    if (lo >= hi) continue;
+    const int64_t at = (lo - first) * esize;
+    char* dst = out + at;
     for (int j = 1; j < n; ++j) {
       const int r = (c + j) % n;
       // The ring's hop at rank r: combine(own = r's input, incoming = the partial so far). The
-      // first hop's partial is rank c's input itself, read from its slot (no copy first).
-      const char* partial = j == 1 ? g.small_data(c, s) + off : dst;
-      ::rr::cpu::combine(dtype, op, dst, g.small_data(r, s) + off, partial, chunk.count,
-                         j == n - 1, n);
-    }
-  }
-}
-
-// Elements [first, first + len) of the tensor (`count` elements; the round starting at element
-// `lo` staged in every rank's staging area) reduced into `out` in the ring's order: an element
-// of ring chunk c over ranks c, c+1, ..., c-1 (mod N) with the ring's combine, as
-// reduce_slots_in_ring_order does for the small path.
-void reduce_staged_in_ring_order(HostGroup& g, char* out, int64_t count, int64_t lo,
-                                 int64_t first, int64_t len, DType dtype, Op op) {
-  const int n = g.nranks();
-  const int64_t esize = elem_size(dtype);
-  for (int c = 0; c < n; ++c) {
-    const Range chunk = chunk_range(count, n, esize, c);
-    const int64_t a = std::max(first, chunk.offset);
-    const int64_t b = std::min(first + len, chunk.offset + chunk.count);
-    if (a >= b) continue;
-    const int64_t at = (a - lo) * esize;
-    char* dst = out + (a - first) * esize;
-    for (int j = 1; j < n; ++j) {
-      const int r = (c + j) % n;
-      const char* partial = j == 1 ? g.staging(c) + at : dst;
-      ::rr::cpu::combine(dtype, op, dst, g.staging(r) + at, partial, b - a, j == n - 1, n);
+      // first hop's partial is rank c's input itself, read where it lies (no copy first).
+      const char* partial = j == 1 ? src(c) + at : dst;
+      ::rr::cpu::combine(dtype, op, dst, src(r) + at, partial, hi - lo, j == n - 1, n);
     }
   }
 }
@@ -198,7 +178,8 @@ void small_all_reduce(HostGroup& g, const Ctx& ctx, void* data, int64_t count, D
     for (int r = 0; r < n; ++r) slots[size_t(r)] = g.small_data(r, s);
     ::rr::cpu::sum_rounded_once(dtype, op, data, slots.data(), n, count);
   } else {
-    reduce_slots_in_ring_order(g, s, static_cast<char*>(data), count, dtype, op);
+    reduce_in_ring_order(n, count, 0, count, static_cast<char*>(data),
+                         [&](int r) { return g.small_data(r, s); }, dtype, op);
   }
   g.end_phase(1);
   g.small_finished(ctx);
@@ -213,7 +194,7 @@ void small_all_reduce(HostGroup& g, const Ctx& ctx, void* data, int64_t count, D
 //   2. rank r reads piece r from every rank's area and reduces it: rounded once, summed in
 //      fp32 in rank order 0, 1, ..., N-1, written over piece r of its own area (no peer reads
 //      that piece of its area) and into its tensor; otherwise in the ring's order
-//      (reduce_staged_in_ring_order) into its tensor, then over piece r of its own area; it
+//      (reduce_in_ring_order) into its tensor, then over piece r of its own area; it
 //      publishes base + 2;
 //   3. rank r copies every other rank's finished piece q from rank q's area into its tensor and
 //      publishes base + 3.
@@ -267,7 +248,8 @@ void two_shot_all_reduce(HostGroup& g, const Ctx& ctx, void* data, int64_t count
       copy_bytes(out, result, mine * esize);
     } else if (mine > 0) {
       // Into the tensor first (its own input is staged): the staged piece is still an operand.
-      reduce_staged_in_ring_order(g, out, count, lo, lo + off, mine, dtype, op);
+      reduce_in_ring_order(n, count, lo + off, mine, out,
+                           [&](int r) { return g.staging(r) + off * esize; }, dtype, op);
       copy_bytes(result, out, mine * esize);
     }
     g.publish(base + 2);

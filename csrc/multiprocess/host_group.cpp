@@ -446,24 +446,20 @@ bool HostGroup::same_settings(const Header* h) const {
 
 std::string HostGroup::setting_mismatch(const Header* h) const {
   const int peer = h->rank;
-  const int64_t capacity = h->capacity;
-  const int64_t small_bytes = h->small_bytes;
-  const int32_t half_once = h->half_once;
-  const int32_t cuda_half_once = h->cuda_half_once;
   std::ostringstream s;
   s << "ringreduce: rank " << peer << " and rank " << rank_ << " (this one) were started with "
     << "different settings: ";
-  if (capacity != capacity_)
-    s << "RINGREDUCE_SHM_BYTES " << capacity << " on rank " << peer << " but " << capacity_
+  if (h->capacity != capacity_)
+    s << "RINGREDUCE_SHM_BYTES " << h->capacity << " on rank " << peer << " but " << capacity_
       << " here; ";
-  if (small_bytes != small_bytes_)
-    s << "RINGREDUCE_SMALL_BYTES " << small_bytes << " on rank " << peer << " but "
+  if (h->small_bytes != small_bytes_)
+    s << "RINGREDUCE_SMALL_BYTES " << h->small_bytes << " on rank " << peer << " but "
       << small_bytes_ << " here; ";
-  if (half_once != (half_once_ ? 1 : 0))
-    s << "RINGREDUCE_HALF_ROUNDING " << (half_once ? "once" : "per_hop") << " on rank " << peer
+  if (h->half_once != (half_once_ ? 1 : 0))
+    s << "RINGREDUCE_HALF_ROUNDING " << (h->half_once ? "once" : "per_hop") << " on rank " << peer
       << " but " << (half_once_ ? "once" : "per_hop") << " here; ";
-  if (cuda_half_once != (cuda_half_once_ ? 1 : 0))
-    s << "RINGREDUCE_CUDA_HALF_ROUNDING " << (cuda_half_once ? "once" : "per_hop") << " on rank "
+  if (h->cuda_half_once != (cuda_half_once_ ? 1 : 0))
+    s << "RINGREDUCE_CUDA_HALF_ROUNDING " << (h->cuda_half_once ? "once" : "per_hop") << " on rank "
       << peer << " but " << (cuda_half_once_ ? "once" : "per_hop") << " here; ";
   if (h->two_shot_min != two_shot_min_)
     s << "RINGREDUCE_TWO_SHOT_MIN_BYTES " << h->two_shot_min << " on rank " << peer << " but "

@@ -1,9 +1,26 @@
 #!/usr/bin/env python3
 """Error of float16 / bfloat16 sums: ringreduce's once-rounded CPU sum (the default) against its
-per-hop ring (RINGREDUCE_HALF_ROUNDING=per_hop), on the same inputs, both against the float64
-sum. Prints a markdown table (docs/API.md, "Rounding").
+per-hop ring (RINGREDUCE_HALF_ROUNDING=per_hop), and optionally gloo's, on the same inputs, each
+against the float64 sum. Prints a markdown table (docs/API.md, "Rounding").
 
     python bench/half_error.py [--count 4096] [--ranks 2,4,7,8] [--seed 0]
+    python bench/half_error.py --inputs resnet18 --peers gloo [--batch-size 8] [--image-size 16]
+
+--inputs random (the default): every rank's input is --count normal random values, seed
+--seed + N for the N-rank rows. --inputs resnet18: every rank's input is the real gradient of
+the trainer's ResNet-18 (ringreduce.train.models.resnet18(1, 10), 11,172,810 elements),
+flattened and concatenated, from one forward/backward on the rank's own random minibatch
+(bench/resnet18.py's rank_gradients: model seed --seed, rank r's minibatch seed --seed + 1 + r,
+printed above the table); rank r has the same gradient in every row.
+
+--peers gloo adds gloo's columns: the same 16-bit inputs all-reduced (SUM) by
+torch.distributed's gloo backend across N processes (forkserver, a FileStore, the loopback
+interface, every wait bounded by --timeout), rank 0's result measured the same way. A dtype
+that gloo refuses (every rank with the same error) reads "n/a (reason)"; a rank that fails
+otherwise or does not report in time ends the run with an error.
+
+Everything here runs on CPU tensors, CUDA or not: no NCCL column (NCCL needs CUDA tensors;
+bench/resnet18.py runs NCCL on the GPU, in float32).
 
 ulp: the 16-bit type's spacing at the largest input of the element (a sum that cancels to near
 zero would otherwise make tiny units). exact: the share of elements equal to the float64 sum
@@ -12,14 +29,24 @@ rounded to the type.
 from __future__ import annotations
 
 import argparse
+import datetime
 import math
 import os
+import queue
+import sys
+import tempfile
+import time
+from pathlib import Path
 
 import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
 
 import ringreduce
 
 MANTISSA_BITS = {torch.bfloat16: 8, torch.float16: 11}
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16}
+PEERS = ("gloo",)
 
 
 def ulp_at(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -44,32 +71,155 @@ def run(inputs: list[torch.Tensor], rounding: str) -> torch.Tensor:
     return tensors[0]
 
 
-def main() -> None:
+def _gloo_rank(rank, world, store_path, tensor, status, timeout_s):
+    """One gloo rank: all-reduces its input in place and reports (rank, None), or (rank, why)."""
+    os.environ["GLOO_SOCKET_IFNAME"] = "lo"  # this process only: the group stays on loopback
+    torch.set_num_threads(1)
+    try:
+        store = dist.FileStore(store_path, world)
+        group = dist.ProcessGroupGloo(store, rank, world, datetime.timedelta(seconds=timeout_s))
+        group.allreduce([tensor]).wait()  # SUM; bounded by the group's timeout
+        status.put((rank, None))
+    except Exception as exc:  # noqa: BLE001 - reported; gloo_sum tells a refusal from a failure
+        status.put((rank, f"{type(exc).__name__}: {str(exc).splitlines()[0]}"))
+
+
+def gloo_sum(inputs: list[torch.Tensor], timeout_s: float) -> torch.Tensor | str:
+    """Rank 0's result of gloo's SUM over `inputs`, one process a rank, or the reason gloo
+    refused them. The tensors travel in shared memory."""
+    ctx = mp.get_context("forkserver")
+    # The ranks fork from a server that imported these once (a spawn imports torch again in
+    # every rank: ~3 s of CPU each here). Named: Python 3.11's forkserver never preloads its
+    # default, __main__ (it looks for a key 'main_path' that get_preparation_data does not give).
+    ctx.set_forkserver_preload(["torch", "torch.distributed", "ringreduce"])
+    tensors = [t.clone().share_memory_() for t in inputs]
+    status = ctx.Queue()
+    deadline = time.monotonic() + timeout_s + 60  # the group's timeout, plus start and set-up
+    with tempfile.TemporaryDirectory() as tmp:
+        procs = [ctx.Process(target=_gloo_rank, daemon=True,
+                             args=(r, len(inputs), os.path.join(tmp, "store"), t, status,
+                                   timeout_s))
+                 for r, t in enumerate(tensors)]
+        for p in procs:
+            p.start()
+        reports = {}
+        try:
+            while len(reports) < len(procs):
+                rank, why = status.get(timeout=max(0.0, deadline - time.monotonic()))
+                reports[rank] = why
+        except queue.Empty:
+            pass
+        finally:
+            for p in procs:
+                p.join(max(0.0, deadline - time.monotonic()))
+                if p.is_alive():
+                    p.kill()
+                    p.join(10)
+    if len(reports) < len(procs):
+        missing = sorted(set(range(len(procs))) - set(reports))
+        raise RuntimeError(f"gloo: ranks {missing} did not report within {timeout_s + 60:.0f} s "
+                           f"(exit codes {[p.exitcode for p in procs]})")
+    reasons = set(reports.values())
+    if reasons == {None}:
+        return tensors[0]
+    if len(reasons) == 1:
+        return reasons.pop()  # every rank refused alike, before any exchange
+    raise RuntimeError(f"gloo: the ranks failed differently: {reports}")
+
+
+def resnet18_gradients(ranks: int, batch: int, image: int, seed: int) -> list[torch.Tensor]:
+    """Every rank's ResNet-18 gradient, flattened and concatenated, in float32."""
+    bench = str(Path(__file__).resolve().parent)
+    if bench not in sys.path:
+        sys.path.insert(0, bench)
+    from resnet18 import rank_gradients  # bench/ is not a package; imported here, when needed
+
+    grads = rank_gradients([torch.device("cpu")] * ranks, batch, image, seed)
+    return [torch.cat([g.reshape(-1) for g in rank]) for rank in grads]
+
+
+def errors(got: torch.Tensor, exact: torch.Tensor, ulp: torch.Tensor) -> list[str]:
+    """Mean and max error in ulp, and the share of elements equal to `exact` rounded."""
+    err = (got.to(torch.float64) - exact).abs() / ulp
+    same = float((got == exact.to(got.dtype)).double().mean())
+    mean, worst = float(err.mean()), float(err.max())
+    assert math.isfinite(mean) and math.isfinite(worst), "an error is not finite"
+    return [f"{mean:.3f}", f"{worst:.2f}", f"{100 * same:.1f}%"]
+
+
+def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--count", type=int, default=4096)
+    parser.add_argument("--inputs", choices=("random", "resnet18"), default="random")
+    parser.add_argument("--count", type=int, default=4096,
+                        help="elements a rank with --inputs random")
     parser.add_argument("--ranks", default="2,4,7,8")
+    parser.add_argument("--dtypes", default=",".join(DTYPES),
+                        help="comma-separated subset of %(default)s")
     parser.add_argument("--seed", type=int, default=0)
-    args = parser.parse_args()
-    print("| dtype | N | per_hop mean ulp | per_hop max ulp | per_hop exact | "
-          "once mean ulp | once max ulp | once exact |")
-    print("|---|---|---|---|---|---|---|---|")
-    for dtype in (torch.bfloat16, torch.float16):
-        for n in (int(r) for r in args.ranks.split(",")):
-            g = torch.Generator().manual_seed(args.seed + n)
-            inputs = [torch.randn(args.count, generator=g, dtype=torch.float64).to(dtype)
-                      for _ in range(n)]
-            exact = torch.stack([t.to(torch.float64) for t in inputs]).sum(0)
-            correct = exact.to(dtype)
-            ulp = ulp_at(torch.stack([t.to(torch.float64).abs() for t in inputs]).amax(0), dtype)
+    parser.add_argument("--batch-size", type=int, default=8,
+                        help="images in a rank's minibatch with --inputs resnet18")
+    parser.add_argument("--image-size", type=int, default=16,
+                        help="height and width of the 1-channel images with --inputs resnet18")
+    parser.add_argument("--peers", default="",
+                        help="comma-separated subset of %s (default: none)" % ",".join(PEERS))
+    parser.add_argument("--timeout", type=float, default=120,
+                        help="seconds a gloo group may take to form or to all-reduce")
+    args = parser.parse_args(argv)
+    args.ranks = [int(r) for r in args.ranks.split(",")]
+    if min(args.ranks) < 1:
+        parser.error("--ranks: every count must be >= 1")
+    names = [d.strip() for d in args.dtypes.split(",") if d.strip()]
+    for name in names:
+        if name not in DTYPES:
+            parser.error(f"--dtypes: {name!r} is not one of {', '.join(DTYPES)}")
+    args.dtypes = [DTYPES[d] for d in names]
+    args.peers = [p.strip() for p in args.peers.split(",") if p.strip()]
+    for peer in args.peers:
+        if peer not in PEERS:
+            parser.error(f"--peers: {peer!r} is not one of {', '.join(PEERS)}")
+    for name in ("count", "batch_size", "image_size"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')} must be >= 1")
+    return args
+
+
+def main() -> None:
+    args = parse_args()
+    grads = None
+    if args.inputs == "resnet18":
+        grads = resnet18_gradients(max(args.ranks), args.batch_size, args.image_size, args.seed)
+        print(f"# inputs: ResNet-18 gradients, {grads[0].numel():,} elements a rank; model seed "
+              f"{args.seed}, rank r's minibatch ({args.batch_size} images of 1x{args.image_size}"
+              f"x{args.image_size}) seed {args.seed} + 1 + r")
+    columns = ["per_hop", "once"] + args.peers
+    print("| dtype | N | " + " | ".join(f"{c} mean ulp | {c} max ulp | {c} exact"
+                                       for c in columns) + " |")
+    print("|---|---|" + "---|" * (3 * len(columns)))
+    for dtype in args.dtypes:
+        for n in args.ranks:
+            if grads is None:
+                g = torch.Generator().manual_seed(args.seed + n)
+                inputs = [torch.randn(args.count, generator=g, dtype=torch.float64).to(dtype)
+                          for _ in range(n)]
+            else:
+                inputs = [t.to(dtype) for t in grads[:n]]
+            # In rank order from rank 0's value (signed zeros as the sum in rank order has them).
+            exact = inputs[0].to(torch.float64)
+            largest = exact.abs()
+            for t in inputs[1:]:
+                wide = t.to(torch.float64)
+                exact = exact + wide
+                largest = torch.maximum(largest, wide.abs())
+            ulp = ulp_at(largest, dtype)
             cells = []
             for rounding in ("per_hop", "once"):
-                got = run(inputs, rounding)
-                err = (got.to(torch.float64) - exact).abs() / ulp
-                same = float((got.view(torch.int16) == correct.view(torch.int16)).double().mean())
-                cells += [f"{float(err.mean()):.3f}", f"{float(err.max()):.2f}",
-                          f"{100 * same:.1f}%"]
-            assert all(math.isfinite(float(c.rstrip("%"))) for c in cells)
-            print(f"| {str(dtype).replace('torch.', '')} | {n} | " + " | ".join(cells) + " |")
+                cells += errors(run(inputs, rounding), exact, ulp)
+            if "gloo" in args.peers:
+                got = gloo_sum(inputs, args.timeout)
+                cells += (errors(got, exact, ulp) if isinstance(got, torch.Tensor)
+                          else [f"n/a ({got})", "n/a", "n/a"])
+            print(f"| {str(dtype).replace('torch.', '')} | {n} | " + " | ".join(cells) + " |",
+                  flush=True)
 
 
 if __name__ == "__main__":

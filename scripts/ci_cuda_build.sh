@@ -42,6 +42,7 @@ CUDA_BUILD_SKIPPED=(test_torch_suite.py test_clients.py test_install.py test_tra
                     test_cuda_host_cost.py test_capture_mode.py
                     test_costmodel.py test_checks.py test_bench_coldcall.py
                     test_bench_fr_cost.py test_bench_load.py test_bench_cpushare.py
+                    test_bench_half_error.py
                     test_small_path.py test_two_shot.py test_gpu_plan.py)
 # The tests of the torch glue run on the newest torch (CUDA_BUILD_TESTS run on torch_version).
 CUDA_NEW_TESTS=(tests/test_backend_engine.py tests/test_distributed_surface.py

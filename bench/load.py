@@ -1,4 +1,4 @@
-"""The CPU collectives under load: each backend's all-reduce sweep on a quiet machine and beside
+"""The collectives beside a CPU load: each backend's all-reduce sweep on a quiet machine and beside
 a CPU load, each one's slowdown against its own quiet run, and ringreduce's ratio to the best
 peer (MPICH, DeepSpeed's shm op).
 
@@ -34,6 +34,13 @@ Targets (issue 49), checked per loaded row and printed beside it: ringreduce's m
 quiet run at most 3x from 1 MiB up. A peer that is not installed is reported with its install
 command (bench/ddp.py) and left out of the ratio.
 
+--device cuda (issue 49's third part): the backend's CUDA all-reduce on --ranks simulated ranks
+sharing the GPU, each a process, beside the same CPU load: its hand-offs between ranks go
+through the host (IPC flags and events between the ranks' processes), so busy cores can cost it
+as they cost the CPU path. The peer is NCCL (the default backends: ringreduce,nccl; NCCL needs
+NCCL_MULTI_RANK_GPU_ENABLE=1 and a NCCL that accepts several ranks on one GPU, bench/ddp.py);
+the same targets are printed against it.
+
 The peers' calls do not go through torch.distributed; ringreduce's do, and pay torch's own cost
 per call (argument checks, the work object, the dispatch to the backend). The `floor` column
 measures it: the same dist.all_reduce on torch's FakeProcessGroup, which moves nothing
@@ -55,9 +62,14 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import common  # noqa: E402
 import ddp  # noqa: E402
+import torch  # noqa: E402
 
 LOADS = ("none", "busy", "numpy")
 DEFAULT_SIZES = "8,1K,64K,1M,16M,64M"
+DEFAULT_BACKENDS = {"cpu": "ringreduce,mpich,deepspeed,floor", "cuda": "ringreduce,nccl"}
+# The peers whose best time the ratio and the targets take: MPICH and DeepSpeed's op on CPU
+# tensors, NCCL on CUDA ones.
+PEERS = ddp.PEERS + ("nccl",)
 # The issue's targets.
 PEER_RATIO = 1.5
 DISPATCH_FLOOR_US = 3.0  # where no floor was measured
@@ -127,10 +139,13 @@ class Load:
 def parse_args(argv):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                   help="where the tensors live (cuda: see above)")
     p.add_argument("--ranks", type=int, default=2)
-    p.add_argument("--backends", default="ringreduce,mpich,deepspeed,floor",
+    p.add_argument("--backends", default=None,
                    help="comma-separated, from bench/ddp.py's (ringreduce first: the ratios are "
-                        "its; floor: torch's own cost per call, see above)")
+                        "its; floor: torch's own cost per call, see above; default: "
+                        f"{DEFAULT_BACKENDS['cpu']} on cpu, {DEFAULT_BACKENDS['cuda']} on cuda)")
     p.add_argument("--loads", default="busy",
                    help=f"comma-separated, from {', '.join(LOADS[1:])}; the quiet run comes first")
     p.add_argument("--load-procs", type=int, default=None,
@@ -155,20 +170,27 @@ def parse_args(argv):
         args.load_procs = len(os.sched_getaffinity(0))
     if args.load_procs < 1 or args.runs < 1 or args.ranks < 2:
         p.error("--load-procs and --runs must be >= 1, --ranks >= 2")
+    if args.backends is None:
+        args.backends = DEFAULT_BACKENDS[args.device]
     args.backends = [b.strip() for b in args.backends.split(",") if b.strip()]
     if not args.backends:
         p.error("--backends: name at least one")
     return args
 
 
-def sweep_args(args, backend):
-    """bench/ddp.py's arguments for one backend's all-reduce sweep."""
-    argv = ["--device", "cpu", "--ranks", str(args.ranks), "--backends", backend,
+def sweep_argv(args, backend):
+    """bench/ddp.py's command line for one backend's all-reduce sweep."""
+    argv = ["--device", args.device, "--ranks", str(args.ranks), "--backends", backend,
             "--sizes", args.sizes, "--warmup", str(args.warmup), "--timeout", str(args.timeout),
             "--skip-ddp", "--copy-bytes", "1M"]
     if args.iters is not None:
         argv += ["--iters", str(args.iters)]
-    return ddp.parse_args(argv)
+    return argv
+
+
+def sweep_args(args, backend):
+    """bench/ddp.py's parsed arguments for one backend's all-reduce sweep."""
+    return ddp.parse_args(sweep_argv(args, backend))
 
 
 def target_text(size, t, quiet, best_peer, floor=None):
@@ -195,6 +217,13 @@ def main(argv=None):
     print(f"# bench/load.py  {info['date']}  host {info['host']}")
     print(f"# cpu: {info['cpu']} ({info['cpu_count']} logical cores, "
           f"{len(os.sched_getaffinity(0))} usable)  torch {info['torch']}")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        print(f"bench/load.py: --device cuda, but torch {torch.__version__} sees no CUDA device",
+              file=sys.stderr)
+        return 2
+    if args.device == "cuda":
+        print(f"# device: {torch.cuda.get_device_name(0)} (the ranks share it), torch CUDA "
+              f"{torch.version.cuda}")
     print(f"# {args.ranks} ranks per backend, float32 sum; {args.runs} run(s) of every "
           "(load, backend); per size the median over iterations of the slowest rank's time, "
           "then the median (min-max) over runs")
@@ -233,7 +262,7 @@ def main(argv=None):
                     + (f"; {wrong} WRONG" if wrong else ""), flush=True)
 
     ran = [b for b in args.backends if b not in why]
-    peers = [b for b in ran if b in ddp.PEERS]
+    peers = [b for b in ran if b in PEERS]
     sizes = sorted(next((t[0].keys() for t in times["none"].values() if t), []))
     stat = {kind: {b: {s: [t[s] for t in times[kind][b]] for s in sizes} for b in ran}
             for kind in args.loads}

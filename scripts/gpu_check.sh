@@ -28,7 +28,7 @@
 #             staged copy, graph replay, 2 and 4 ranks; the backend: 2 and 3 ranks on one GPU,
 #             every collective, DDP steps against gloo; the clients)
 #   gpu       every other GPU test, as far as CALL_BUDGET lets it go
-# Further phases (a later session's): core backend review clients tests ring sweep ddp
+# Further phases (a later session's): core backend review clients tests ring sweep ddp load
 # (docs/GPU_SESSION.md).
 # Bounds: every phase by its cap and by what is left of CALL_BUDGET (540 s from the start; the
 # tool's own limit is 600 s): a phase left under 30 s is not started and says so.
@@ -214,6 +214,21 @@ resnet18() {
   echo "result: ring and naive exit $r1, ring and nccl exit $r2"
   [ "$r1" -eq 0 ] && [ "$r2" -eq 0 ]
 }
+# The backend's CUDA all-reduce beside a CPU load (issue 49): bench/load.py on 4 simulated ranks,
+# one busy loop per core in the ranks' session, quiet then busy; ringreduce alone, then NCCL alone
+# (a run of its own, so that a hang there keeps the first). Each may take half of the phase.
+load_runs() {
+  local r1 r2
+  bounded $(( $(left) / 2 )) python3 bench/load.py --device cuda --ranks 4 --backends ringreduce \
+    --session same --loads busy --json "$out/load.json"
+  r1=$?
+  nccl_log load
+  bounded "$(left)" python3 bench/load.py --device cuda --ranks 4 --backends nccl \
+    --session same --loads busy --json "$out/load-nccl.json"
+  r2=$?
+  echo "result: ringreduce exit $r1, nccl exit $r2"
+  [ "$r1" -eq 0 ] && [ "$r2" -eq 0 ]
+}
 # The trainer, 4 simulated ranks, 5 steps of one epoch with each all-reduce; NCCL last, so that
 # a hang there costs the others nothing. Each run may take half of what is left, the last all.
 train() {
@@ -311,7 +326,7 @@ done < scripts/gpu_crash.txt
 GPU_FILES=(tests/test_cuda.py tests/test_cuda_review.py tests/test_distributed_cuda.py
            tests/test_backend_cuda_streams.py tests/test_distributed.py
            tests/test_distributed_surface.py tests/test_data_parallel.py tests/test_train.py
-           tests/test_bench_ring.py tests/test_fused.py)
+           tests/test_bench_ring.py tests/test_fused.py tests/test_bench_load.py)
 for p in $phases; do
   case $p in
     build) run build "$build_limit" build
@@ -337,8 +352,9 @@ for p in $phases; do
     ring) run ring "$limit" bench_nccl python3 bench/ring.py --graph --json "$out/ring.json" ;;
     sweep) run sweep "$limit" bench_nccl sweep ;;
     ddp) run ddp "$limit" bench_nccl python3 bench/ddp.py --device cuda --ranks 4 --json "$out/ddp.json" ;;
+    load) run load "$limit" bench_nccl load_runs ;;
     *) echo "gpu_check: unknown phase '$p' (build, smoke, crash, bench, nccl, resnet18, train," \
-         "first, gpu, core, backend, review, clients, tests, ring, sweep, ddp)" >&2
+         "first, gpu, core, backend, review, clients, tests, ring, sweep, ddp, load)" >&2
        exit 2 ;;
   esac
 done

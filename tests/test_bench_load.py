@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from checks import alive, load_module, run_bounded
+from checks import alive, load_module, needs_cuda, run_bounded
 
 ROOT = Path(__file__).resolve().parents[1]
 LOAD = ROOT / "bench" / "load.py"
@@ -47,6 +47,23 @@ def test_arguments():
         load.parse_args(["--loads", "idle"])
     with pytest.raises(SystemExit):
         load.parse_args(["--ranks", "1"])
+
+
+def test_device_picks_the_backends_and_reaches_the_sweep():
+    """--device: cpu by default with MPICH and DeepSpeed's op as peers; cuda with NCCL; the
+    sweep that bench/ddp.py runs gets the device; NCCL counts as a peer in the ratio."""
+    cpu = load.parse_args([])
+    assert cpu.device == "cpu"
+    assert cpu.backends == ["ringreduce", "mpich", "deepspeed", "floor"]
+    cuda = load.parse_args(["--device", "cuda"])
+    assert cuda.backends == ["ringreduce", "nccl"]
+    assert load.parse_args(["--device", "cuda", "--backends", "nccl"]).backends == ["nccl"]
+    argv = load.sweep_argv(cuda, "ringreduce")
+    assert argv[argv.index("--device") + 1] == "cuda", argv
+    assert load.sweep_args(cpu, "ringreduce").device == "cpu"
+    assert set(load.PEERS) == {"mpich", "deepspeed", "nccl"}
+    with pytest.raises(SystemExit):
+        load.parse_args(["--device", "xpu"])
 
 
 @pytest.mark.parametrize("kind,own_session", [("busy", True), ("numpy", True),
@@ -100,3 +117,32 @@ def test_tiny_run_tables_json_and_exit(tmp_path):
     assert all(row["wrong"] == 0 for run in data["raw"] for row in run["rows"])
     assert {(run["load"], run["backend"]) for run in data["raw"]} == {
         (ld, b) for ld in ("none", "busy") for b in ("ringreduce", "floor")}
+
+
+@needs_cuda
+@pytest.mark.timeout(300)
+def test_cuda_run_beside_a_busy_loop(tmp_path):
+    """--device cuda: the backend's CUDA all-reduce on 2 simulated ranks sharing the GPU, quiet
+    and beside a busy loop: both tables, every element right."""
+    out = tmp_path / "load-cuda.json"
+    rc, text = run_bounded([sys.executable, str(LOAD), "--device", "cuda", "--backends",
+                            "ringreduce", "--sizes", "8,1M", "--iters", "3", "--warmup", "1",
+                            "--loads", "busy", "--load-procs", "2", "--json", str(out)],
+                           240, cwd=ROOT)
+    assert rc == 0, text
+    assert "# device: " in text and "(the ranks share it)" in text, text
+    data = json.loads(out.read_text())
+    rows = {(r["load"], r["size"]): r for r in data["summary"]}
+    assert set(rows) == {(ld, s) for ld in ("none", "busy") for s in (8, 1 << 20)}
+    assert all(r["ringreduce"] > 0 for r in rows.values()), rows
+    assert all(row["wrong"] == 0 for run in data["raw"] for row in run["rows"])
+
+
+def test_cuda_without_a_gpu_says_so():
+    """--device cuda where torch sees no GPU: exit status 2 and the reason, nothing run."""
+    if load.torch.cuda.is_available():
+        pytest.skip("this machine has a GPU: the refusal cannot happen here")
+    rc, text = run_bounded([sys.executable, str(LOAD), "--device", "cuda", "--sizes", "8"],
+                           120, cwd=ROOT)
+    assert rc == 2, text
+    assert "--device cuda, but torch" in text and "sees no CUDA device" in text, text

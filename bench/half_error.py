@@ -5,6 +5,7 @@ against the float64 sum. Prints a markdown table (docs/API.md, "Rounding").
 
     python bench/half_error.py [--count 4096] [--ranks 2,4,7,8] [--seed 0]
     python bench/half_error.py --inputs resnet18 --peers gloo [--batch-size 8] [--image-size 16]
+    python bench/half_error.py --device cuda --inputs resnet18 --peers gloo,nccl
 
 --inputs random (the default): every rank's input is --count normal random values, seed
 --seed + N for the N-rank rows. --inputs resnet18: every rank's input is the real gradient of
@@ -19,8 +20,14 @@ interface, every wait bounded by --timeout), rank 0's result measured the same w
 that gloo refuses (every rank with the same error) reads "n/a (reason)"; a rank that fails
 otherwise or does not report in time ends the run with an error.
 
-Everything here runs on CPU tensors, CUDA or not: no NCCL column (NCCL needs CUDA tensors;
-bench/resnet18.py runs NCCL on the GPU, in float32).
+--device cuda: ringreduce's columns sum the inputs as CUDA tensors, every simulated rank on
+cuda:0, rounded per hop or once as RINGREDUCE_CUDA_HALF_ROUNDING says (set per column), and a
+column "once cpu=cuda" gives the share of elements where the CUDA once-rounded sum equals the CPU
+one bit for bit (100.0 %: the same bits on both paths). --peers nccl (only with --device cuda)
+adds NCCL's columns: the same inputs summed by NCCL's all-reduce, one communicator per rank on
+that GPU (ringreduce.train.trainers.make_all_reduce("nccl"): a NCCL that accepts several ranks
+on one GPU, RINGREDUCE_NCCL_LIB and NCCL_MULTI_RANK_GPU_ENABLE=1 as for bench/resnet18.py;
+"n/a (reason)" where it cannot run). gloo always sums CPU copies.
 
 ulp: the 16-bit type's spacing at the largest input of the element (a sum that cancels to near
 zero would otherwise make tiny units). exact: the share of elements equal to the float64 sum
@@ -42,11 +49,13 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-import ringreduce
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import common  # noqa: E402  (bench/ is not a package; common.py sits beside this file)
+import ringreduce  # noqa: E402
 
 MANTISSA_BITS = {torch.bfloat16: 8, torch.float16: 11}
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16}
-PEERS = ("gloo",)
+PEERS = ("gloo", "nccl")
 
 
 def ulp_at(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -55,20 +64,53 @@ def ulp_at(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return torch.exp2(e - (MANTISSA_BITS[dtype] - 1))
 
 
-def run(inputs: list[torch.Tensor], rounding: str) -> torch.Tensor:
-    before = os.environ.get("RINGREDUCE_HALF_ROUNDING")
-    os.environ["RINGREDUCE_HALF_ROUNDING"] = rounding
+ROUNDING_ENV = {"cpu": "RINGREDUCE_HALF_ROUNDING", "cuda": "RINGREDUCE_CUDA_HALF_ROUNDING"}
+
+
+def same_on_every_rank(tensors: list[torch.Tensor], what: str) -> torch.Tensor:
+    """Rank 0's result on the CPU, after checking that every rank holds its bits (the GPU's
+    work waited for with a deadline)."""
+    if tensors[0].is_cuda:
+        common.bounded_sync([tensors[0].device.index], what=what)
+    tensors = [t.cpu() for t in tensors]
+    for t in tensors[1:]:
+        assert torch.equal(t.view(torch.int16), tensors[0].view(torch.int16)), \
+            f"{what}: ranks differ"
+    return tensors[0]
+
+
+def run(inputs: list[torch.Tensor], rounding: str, device: str = "cpu") -> torch.Tensor:
+    """ringreduce's list-API sum of `inputs` on `device` (every rank on cuda:0 there), rounded
+    per hop or once; rank 0's result on the CPU."""
+    env = ROUNDING_ENV[device]
+    before = os.environ.get(env)
+    os.environ[env] = rounding
     try:
-        tensors = [t.clone() for t in inputs]
+        tensors = [t.to(device, copy=True) for t in inputs]
         ringreduce.all_reduce(tensors, "sum")
+        return same_on_every_rank(tensors, f"ringreduce's {rounding} sum")
     finally:
         if before is None:
-            del os.environ["RINGREDUCE_HALF_ROUNDING"]
+            del os.environ[env]
         else:
-            os.environ["RINGREDUCE_HALF_ROUNDING"] = before
-    for t in tensors[1:]:
-        assert torch.equal(t.view(torch.int16), tensors[0].view(torch.int16)), "ranks differ"
-    return tensors[0]
+            os.environ[env] = before
+
+
+def nccl_sum(inputs: list[torch.Tensor], routes: set[str]) -> torch.Tensor | str:
+    """Rank 0's result of NCCL's sum over `inputs`, one communicator per rank on cuda:0, or why
+    NCCL cannot run here; adds the NCCL that ran, in words, to `routes`."""
+    from ringreduce.train.nccl import describe_route
+    from ringreduce.train.trainers import NcclUnavailable, make_all_reduce, nccl_route
+
+    devices = [torch.device("cuda", 0)] * len(inputs)
+    try:
+        fn = make_all_reduce("nccl", devices)
+    except NcclUnavailable as e:
+        return str(e).splitlines()[0]
+    routes.add(describe_route(*nccl_route(fn)))
+    tensors = [t.to(d, copy=True) for t, d in zip(inputs, devices)]
+    fn(tensors)
+    return same_on_every_rank(tensors, "NCCL's sum")
 
 
 def _gloo_rank(rank, world, store_path, tensor, status, timeout_s):
@@ -149,6 +191,8 @@ def errors(got: torch.Tensor, exact: torch.Tensor, ulp: torch.Tensor) -> list[st
 
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                        help="where ringreduce's (and NCCL's) sums run (cuda: see above)")
     parser.add_argument("--inputs", choices=("random", "resnet18"), default="random")
     parser.add_argument("--count", type=int, default=4096,
                         help="elements a rank with --inputs random")
@@ -177,14 +221,30 @@ def parse_args(argv=None):
     for peer in args.peers:
         if peer not in PEERS:
             parser.error(f"--peers: {peer!r} is not one of {', '.join(PEERS)}")
+    if "nccl" in args.peers and args.device != "cuda":
+        parser.error("--peers nccl needs --device cuda")
     for name in ("count", "batch_size", "image_size"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be >= 1")
     return args
 
 
-def main() -> None:
+def main() -> int:
     args = parse_args()
+    if args.device == "cuda" and not torch.cuda.is_available():
+        print(f"bench/half_error.py: --device cuda, but torch {torch.__version__} sees no CUDA "
+              "device", file=sys.stderr)
+        return 2
+    if "nccl" in args.peers:
+        from ringreduce.train.nccl import NcclLibraryError, preload_requested_library
+        try:
+            preload_requested_library()  # with RINGREDUCE_NCCL_LIB: start again, preloaded
+        except NcclLibraryError as e:
+            print(f"bench/half_error.py: {e}", file=sys.stderr)
+            return 2
+    if args.device == "cuda":
+        print(f"# device: {torch.cuda.get_device_name(0)} (every rank on cuda:0), torch "
+              f"{torch.__version__}, CUDA {torch.version.cuda}")
     grads = None
     if args.inputs == "resnet18":
         grads = resnet18_gradients(max(args.ranks), args.batch_size, args.image_size, args.seed)
@@ -192,9 +252,11 @@ def main() -> None:
               f"{args.seed}, rank r's minibatch ({args.batch_size} images of 1x{args.image_size}"
               f"x{args.image_size}) seed {args.seed} + 1 + r")
     columns = ["per_hop", "once"] + args.peers
+    both = " | once cpu=cuda" if args.device == "cuda" else ""
+    routes = set()
     print("| dtype | N | " + " | ".join(f"{c} mean ulp | {c} max ulp | {c} exact"
-                                       for c in columns) + " |")
-    print("|---|---|" + "---|" * (3 * len(columns)))
+                                       for c in columns) + both + " |")
+    print("|---|---|" + "---|" * (3 * len(columns) + bool(both)))
     for dtype in args.dtypes:
         for n in args.ranks:
             if grads is None:
@@ -213,14 +275,22 @@ def main() -> None:
             ulp = ulp_at(largest, dtype)
             cells = []
             for rounding in ("per_hop", "once"):
-                cells += errors(run(inputs, rounding), exact, ulp)
-            if "gloo" in args.peers:
-                got = gloo_sum(inputs, args.timeout)
+                cells += errors(run(inputs, rounding, args.device), exact, ulp)
+            for peer in args.peers:
+                got = (gloo_sum(inputs, args.timeout) if peer == "gloo"
+                       else nccl_sum(inputs, routes))
                 cells += (errors(got, exact, ulp) if isinstance(got, torch.Tensor)
                           else [f"n/a ({got})", "n/a", "n/a"])
+            if both:
+                cuda, cpu = run(inputs, "once", "cuda"), run(inputs, "once", "cpu")
+                equal = float((cuda.view(torch.int16) == cpu.view(torch.int16)).double().mean())
+                cells.append(f"{100 * equal:.1f}%")
             print(f"| {str(dtype).replace('torch.', '')} | {n} | " + " | ".join(cells) + " |",
                   flush=True)
+    for route in sorted(routes):
+        print(f"# nccl: {route}")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -28,7 +28,7 @@
 #             staged copy, graph replay, 2 and 4 ranks; the backend: 2 and 3 ranks on one GPU,
 #             every collective, DDP steps against gloo; the clients)
 #   gpu       every other GPU test, as far as CALL_BUDGET lets it go
-# Further phases (a later session's): core backend review clients tests ring sweep ddp load
+# Further phases (a later session's): core backend review clients tests ring sweep ddp load half
 # (docs/GPU_SESSION.md).
 # Bounds: every phase by its cap and by what is left of CALL_BUDGET (540 s from the start; the
 # tool's own limit is 600 s): a phase left under 30 s is not started and says so.
@@ -326,7 +326,8 @@ done < scripts/gpu_crash.txt
 GPU_FILES=(tests/test_cuda.py tests/test_cuda_review.py tests/test_distributed_cuda.py
            tests/test_backend_cuda_streams.py tests/test_distributed.py
            tests/test_distributed_surface.py tests/test_data_parallel.py tests/test_train.py
-           tests/test_bench_ring.py tests/test_fused.py tests/test_bench_load.py)
+           tests/test_bench_ring.py tests/test_fused.py tests/test_bench_load.py
+           tests/test_bench_half_error.py)
 for p in $phases; do
   case $p in
     build) run build "$build_limit" build
@@ -353,8 +354,10 @@ for p in $phases; do
     sweep) run sweep "$limit" bench_nccl sweep ;;
     ddp) run ddp "$limit" bench_nccl python3 bench/ddp.py --device cuda --ranks 4 --json "$out/ddp.json" ;;
     load) run load "$limit" bench_nccl load_runs ;;
+    half) run half "$limit" bench_nccl python3 bench/half_error.py --device cuda --inputs resnet18 \
+            --peers gloo,nccl ;;
     *) echo "gpu_check: unknown phase '$p' (build, smoke, crash, bench, nccl, resnet18, train," \
-         "first, gpu, core, backend, review, clients, tests, ring, sweep, ddp, load)" >&2
+         "first, gpu, core, backend, review, clients, tests, ring, sweep, ddp, load, half)" >&2
        exit 2 ;;
   esac
 done

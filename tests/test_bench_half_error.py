@@ -12,8 +12,9 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
-from checks import run_bounded
+from checks import needs_cuda, run_bounded
 
 ROOT = Path(__file__).resolve().parents[1]
 BENCH = ROOT / "bench" / "half_error.py"
@@ -63,3 +64,46 @@ def test_resnet18_gradients_once_per_hop_and_gloo():
     assert four["once mean ulp"] < four["per_hop mean ulp"], text
     assert four["once max ulp"] <= four["per_hop max ulp"], text
     assert four["once exact"] >= four["per_hop exact"], text
+
+
+def test_nccl_needs_cuda_tensors():
+    """--peers nccl on CPU tensors: refused with the reason before anything runs."""
+    code, text = run_bounded([sys.executable, str(BENCH), "--peers", "nccl"], 60, cwd=ROOT)
+    assert code == 2, text
+    assert "--peers nccl needs --device cuda" in text, text
+
+
+def test_cuda_without_a_gpu_says_so():
+    """--device cuda where torch sees no GPU: exit status 2 and the reason."""
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU: the refusal cannot happen here")
+    code, text = run_bounded([sys.executable, str(BENCH), "--device", "cuda"], 60, cwd=ROOT)
+    assert code == 2, text
+    assert "--device cuda, but torch" in text and "sees no CUDA device" in text, text
+
+
+@needs_cuda
+@pytest.mark.timeout(TIMEOUT + 30)
+def test_cuda_once_is_the_cpu_once_and_nccl_beside_it():
+    """--device cuda, bfloat16, 2 and 4 ranks on one GPU: the CUDA once-rounded sum has the CPU
+    one's bits in every element; per hop equals once at 2 ranks; NCCL's cells are numbers within
+    N-1 roundings' bound, or say why NCCL could not run."""
+    code, text = run_bounded(
+        [sys.executable, str(BENCH), "--device", "cuda", "--ranks", "2,4", "--dtypes",
+         "bfloat16", "--peers", "nccl"], TIMEOUT, cwd=ROOT)
+    assert code == 0, text
+    lines = [ln for ln in text.splitlines() if ln.startswith("|")]
+    header = [c.strip() for c in lines[0].strip("|").split("|")]
+    rows = {}
+    for line in lines[2:]:
+        row = dict(zip(header, (c.strip() for c in line.strip("|").split("|"))))
+        rows[int(row["N"])] = row
+    assert sorted(rows) == [2, 4], text
+    for n, row in rows.items():
+        assert row["once cpu=cuda"] == "100.0%", text
+        assert float(row["once max ulp"]) <= (1.0 if n == 2 else 2.0), text
+        if row["nccl max ulp"] != "n/a":
+            assert float(row["nccl max ulp"]) <= (1.0 if n == 2 else 6.0), text
+        else:
+            assert row["nccl mean ulp"].startswith("n/a ("), text
+    assert rows[2]["per_hop exact"] == rows[2]["once exact"], text

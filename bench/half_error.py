@@ -110,7 +110,13 @@ def nccl_sum(inputs: list[torch.Tensor], routes: set[str]) -> torch.Tensor | str
     routes.add(describe_route(*nccl_route(fn)))
     tensors = [t.to(d, copy=True) for t, d in zip(inputs, devices)]
     fn(tensors)
-    return same_on_every_rank(tensors, "NCCL's sum")
+    result = same_on_every_rank(tensors, "NCCL's sum")
+    # Each row makes its own communicators: gone before the next (left alone where the sum did
+    # not finish: destroying them could wait on the hung kernels).
+    close = getattr(fn, "close", None)
+    if close is not None:
+        close()
+    return result
 
 
 def _gloo_rank(rank, world, store_path, tensor, status, timeout_s):

@@ -35,6 +35,17 @@ on torch's FakeProcessGroup (torch.testing._internal.distributed.fake_pg), which
 and completes at once, in ranks whose default group is gloo's. #wrong counts elements it
 changed. bench/load.py measures it beside each load.
 
+--paired-floor-up-to SIZE (backends called through torch.distributed): at sizes up to SIZE,
+every window of PAIR_WINDOW (10) calls is followed by as many calls on a FakeProcessGroup, timed
+too, so the floor is measured within a fraction of a millisecond of the calls it is the floor
+of (windows rather than single calls, so that neither call's code evicts the other's from the
+caches between calls, and any work a backend leaves behind a call lands in its own window). The
+row gains floor_us (the median of the floor calls, slowest rank per iteration) and
+over_floor_us (the median over iterations of the backend's slowest time minus that of the floor
+call in the same place of the next window): the backend's own cost above torch's, free of the
+machine's speed drifting between runs (a VM's can move by half within a second, which a
+separate `floor` run seconds away cannot follow).
+
 CPU runs measure the machine's copy bandwidth B first (bytes read + written per second copying
 --copy-bytes between two buffers: the best of 8 torch copy_ with every core and 8 memcpy on one
 core, common.cpu_copy_bandwidth) and compare the large sizes (16 MiB up; below, latency and
@@ -115,6 +126,8 @@ INSTALL = {"mpich": mpi_allreduce.INSTALL,
                         f"deepspeed=={DEEPSPEED_VERSION}"}
 # The summary's sizes (the issue's targets are stated at these).
 SUMMARY_SIZES = (8, 1 << 10, 64 << 10, 1 << 20, 16 << 20, 64 << 20)
+# --paired-floor-up-to: the backend's calls and the floor's alternate in windows of this many.
+PAIR_WINDOW = 10
 # Sizes from which the copy-bandwidth bounds are shown (below, latency and caches dominate).
 BOUND_MIN_BYTES = 16 << 20
 
@@ -152,6 +165,9 @@ def parse_args(argv):
     p.add_argument("--copy-bytes", type=common.parse_size, default=None,
                    help="buffer size of the copy-bandwidth measurement (cpu; default twice the "
                         "largest cache, 256M to 1G)")
+    p.add_argument("--paired-floor-up-to", type=common.parse_size, default=0, metavar="SIZE",
+                   help="time torch's floor after every call up to SIZE (see above; default 0: "
+                        "never)")
     p.add_argument("--json", metavar="PATH", help="write the rows and the run's configuration")
     args = p.parse_args(argv)
     import torch
@@ -339,12 +355,16 @@ def _rank_body(rank, world, label, store, args):
         dist.init_process_group(backend, init_method=f"file://{store}", rank=rank,
                                 world_size=world, timeout=datetime.timedelta(seconds=args.timeout))
         all_reduce = dist.all_reduce
-    if label == "floor":
+    # Paired floor: torch's call on FakeProcessGroup timed after each of the backend's calls.
+    paired_up_to = args.paired_floor_up_to if label not in SWEEP_ONLY else 0
+    if label == "floor" or paired_up_to:
         import torch.testing._internal.distributed.fake_pg  # noqa: F401  (registers "fake")
         fake = dist.new_group(backend="fake", timeout=datetime.timedelta(seconds=args.timeout))
 
-        def all_reduce(t):
+        def floor_call(t):
             return dist.all_reduce(t, group=fake)
+    if label == "floor":
+        all_reduce = floor_call
 
     def sync():
         if cuda:
@@ -372,26 +392,42 @@ def _rank_body(rank, world, label, store, args):
                       ).to(device)
             wrong = int((bufs[0] != expect).sum())
             iters = iterations(size, args)
-            times = []
+            times, floors = [], []
+            paired = size <= paired_up_to
             xhost = _InterHostBytes(dist, world, args) if args.hosts > 1 else None
             dist.barrier()
             if xhost:
                 xhost.start()
-            for i in range(args.warmup + iters):
+            total = args.warmup + iters
+            for i in range(total):
                 sync()
                 t0 = time.perf_counter()
                 all_reduce(bufs[i % nsets])
                 sync()
-                if i >= args.warmup:
-                    times.append(time.perf_counter() - t0)
+                times.append(time.perf_counter() - t0)
+                if paired and ((i + 1) % PAIR_WINDOW == 0 or i + 1 == total):
+                    # As many floor calls as this window had calls, one after the other.
+                    while len(floors) < len(times):
+                        sync()
+                        t0 = time.perf_counter()
+                        floor_call(bufs[i % nsets])
+                        sync()
+                        floors.append(time.perf_counter() - t0)
+            times, floors = times[args.warmup:], floors[args.warmup:]
             sent = xhost.stop(args.warmup + iters) if xhost else None
             wrong_all = torch.tensor([wrong], dtype=torch.int64, device=device)
             dist.all_reduce(wrong_all)
-            t = statistics.median(slowest(times))
+            per_iter = slowest(times)
+            t = statistics.median(per_iter)
             algbw, busbw = common.bandwidths(size, t, 2 * (world - 1) / world if world > 1 else 0)
             out["sweep"].append({"size": size, "count": count, "iters": iters,
                                  "time_us": t * 1e6, "algbw": algbw, "busbw": busbw,
                                  "wrong": int(wrong_all.item())})
+            if paired:
+                floor_iter = slowest(floors)
+                out["sweep"][-1]["floor_us"] = statistics.median(floor_iter) * 1e6
+                out["sweep"][-1]["over_floor_us"] = statistics.median(
+                    a - b for a, b in zip(per_iter, floor_iter)) * 1e6
             if sent is not None:
                 per_rank = [None] * world
                 dist.all_gather_object(per_rank, sent)
@@ -622,6 +658,21 @@ def print_summary(sweep, results, unavailable, args, copy_bw):
               f"({common.format_size(cache)}); B is measured beyond it, so a share can pass 100 %")
 
 
+def print_paired_floor(results, args):
+    """The backends' own cost above torch's floor, where --paired-floor-up-to measured it."""
+    rows = [(b, r) for b in args.backends if b in results
+            for r in results[b]["sweep"] if "floor_us" in r]
+    if not rows:
+        return
+    print()
+    print(f"# paired floor: after every {PAIR_WINDOW} timed calls, as many of the same call on "
+          "FakeProcessGroup; us, median of the slowest rank per iteration")
+    print(f"# {'backend':>15} {'size':>9} {'time':>9} {'floor':>9} {'over floor':>11}")
+    for b, r in rows:
+        print(f"  {b:>15} {common.format_size(r['size']):>9} {r['time_us']:9.1f} "
+              f"{r['floor_us']:9.1f} {r['over_floor_us']:11.1f}")
+
+
 def main(argv=None):
     args = parse_args(sys.argv[1:] if argv is None else argv)
     import torch
@@ -714,6 +765,7 @@ def main(argv=None):
                 groups.append(xhost_model(row["size"], args))
             print(table.row([row["size"], row["count"], args.dtype], groups))
         print_summary(sizes, results, unavailable, args, copy_bw)
+        print_paired_floor(results, args)
     if not args.skip_ddp:
         print()
         print(f"# ResNet-18 ({args.image_size}x{args.image_size}x3, 10 classes) DDP training "

@@ -132,6 +132,29 @@ def test_one_rank(tmp_path):
         assert all(r["wrong"] == 0 and r["time_us"] > 0 and r["busbw"] == 0 for r in rows)
 
 
+def test_paired_floor(tmp_path):
+    """--paired-floor-up-to: the backends called through torch.distributed time torch's floor
+    (FakeProcessGroup) after each call up to that size, and report it beside the time; the
+    floor label itself, and sizes above, do not."""
+    path = tmp_path / "r.json"
+    text = run_bench([*TINY, "--ranks", "2", "--backends", "ringreduce,gloo,floor",
+                      "--sizes", "8,1K,4K", "--paired-floor-up-to", "1K", "--json", str(path)])
+    data = json.loads(path.read_text())
+    for b in ("ringreduce", "gloo"):
+        rows = data["results"][b]["sweep"]
+        assert [("floor_us" in r) for r in rows] == [True, True, False], rows
+        for r in rows[:2]:
+            assert r["wrong"] == 0 and r["floor_us"] > 0, r
+            # Each iteration's difference is its time less its own floor; their median stays
+            # below the median time (each floor is positive).
+            assert r["over_floor_us"] < r["time_us"], r
+    # gloo's call through TCP takes tens of microseconds more than one that moves nothing.
+    assert all(r["over_floor_us"] > 0 for r in data["results"]["gloo"]["sweep"][:2])
+    assert all("floor_us" not in r for r in data["results"]["floor"]["sweep"])
+    assert "# paired floor:" in text and text.count(" ringreduce ") >= 2, text
+    assert ddp.parse_args(["--device", "cpu"]).paired_floor_up_to == 0
+
+
 def test_copy_bandwidth_bounds_at_16MiB():
     """From 16 MiB up the summary gives t_io = 4S/B and t_staged = 8S/B at 2 ranks, and
     ringreduce's share of each."""

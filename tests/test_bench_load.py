@@ -33,6 +33,12 @@ def test_targets_follow_the_issue():
     assert load.target_text(8, 14.6, 5.0, 3.0, floor=10.0) == "NOT met"
     assert load.target_text(8, 5.0, 5.0, 3.0, floor=0.4) == "NOT met"  # 1.5 * 3 + 0.4
     assert load.target_text(128 << 10, 33.0, 1.0, 20.0, floor=50.0) == "NOT met"
+    # A paired floor (ringreduce's time over the floor timed after each call) is checked in
+    # place of the time and the floor, up to 64 KiB only.
+    assert load.target_text(8, 50.0, 5.0, 3.0, floor=0.4, over_floor=4.5) == "met"  # 1.5 * 3
+    assert load.target_text(8, 5.0, 5.0, 3.0, floor=10.0, over_floor=4.6) == "NOT met"
+    assert load.target_text(64 << 10, 99.0, 1.0, 20.0, over_floor=30.0) == "met"
+    assert load.target_text(128 << 10, 33.0, 1.0, 20.0, over_floor=1.0) == "NOT met"
 
 
 def test_arguments():
@@ -61,6 +67,9 @@ def test_device_picks_the_backends_and_reaches_the_sweep():
     argv = load.sweep_argv(cuda, "ringreduce")
     assert argv[argv.index("--device") + 1] == "cuda", argv
     assert load.sweep_args(cpu, "ringreduce").device == "cpu"
+    # ringreduce's sweep times the floor after its calls up to 64 KiB; the others' do not.
+    assert load.sweep_args(cpu, "ringreduce").paired_floor_up_to == 64 << 10
+    assert all(load.sweep_args(cpu, b).paired_floor_up_to == 0 for b in ("floor", "mpich"))
     assert set(load.PEERS) == {"mpich", "deepspeed", "nccl"}
     with pytest.raises(SystemExit):
         load.parse_args(["--device", "xpu"])
@@ -110,6 +119,8 @@ def test_tiny_run_tables_json_and_exit(tmp_path):
     assert set(rows) == {(ld, s) for ld in ("none", "busy") for s in (8, 64 << 10)}
     for (ld, s), r in rows.items():
         assert r["ringreduce"] > 0 and r["floor"] > 0, r
+        # The paired floor: ringreduce's own cost above torch's, less than its whole time.
+        assert r["ringreduce_over_floor"] < r["ringreduce"], r
         if ld == "busy":
             assert r["ringreduce_slowdown"] == pytest.approx(
                 r["ringreduce"] / rows[("none", s)]["ringreduce"]), r
@@ -117,6 +128,10 @@ def test_tiny_run_tables_json_and_exit(tmp_path):
     assert all(row["wrong"] == 0 for run in data["raw"] for row in run["rows"])
     assert {(run["load"], run["backend"]) for run in data["raw"]} == {
         (ld, b) for ld in ("none", "busy") for b in ("ringreduce", "floor")}
+    for run in data["raw"]:
+        for row in run["rows"]:
+            assert ("over_floor_us" in row) == (run["backend"] == "ringreduce"), run
+    assert "rr over floor" in text, text
 
 
 @needs_cuda

@@ -116,6 +116,41 @@ def _inference_mode(rank, world, store):
     return out
 
 
+def _contiguous_in_every_mode(rank, world, store):
+    """Contiguous CPU all-reduces (the jobs that run without the InferenceMode guard, Job::
+    memory_only) on inference tensors and on leaves that require grad, inside and outside
+    inference mode and no_grad, synchronous and asynchronous, as gloo takes them."""
+    init(rank, world, store)
+    got = {}
+    with torch.inference_mode():
+        inf = torch.arange(5, dtype=torch.float32) + 10 * rank
+        dist.all_reduce(inf)  # inside inference mode, synchronous
+        dist.all_reduce(inf, async_op=True).wait()
+    dist.all_reduce(inf)  # an inference tensor outside inference mode
+    got["inference"] = inf.tolist()
+    leaf = torch.full((4,), 1.0 + rank, requires_grad=True)
+    dist.all_reduce(leaf)  # grad mode on
+    with torch.no_grad():
+        dist.all_reduce(leaf, async_op=True).wait()
+    got["leaf"] = (leaf.tolist(), leaf.grad_fn is None, leaf.is_leaf)
+    # The caller's modes are its own again afterwards: an op here records autograd as usual.
+    got["grad_after"] = (leaf * 2).grad_fn is not None and torch.is_grad_enabled()
+    dist.destroy_process_group()
+    return got
+
+
+@pytest.mark.parametrize("env", [{}, {"RINGREDUCE_ASYNC": "0"}, {"RINGREDUCE_CALLER_RUNS": "0"}],
+                         ids=["default", "inline", "progress-thread"])
+def test_contiguous_jobs_in_every_mode(tmp_path, env):
+    for rank, got in enumerate(values(run_ranks(_contiguous_in_every_mode, 2, tmp_path,
+                                                env=env))):
+        # Three all-reduces of (x, x + 10) over 2 ranks: (2x + 10) * 4.
+        assert got["inference"] == [(2.0 * x + 10) * 4 for x in range(5)], (rank, got)
+        # Two of (1, 2): 3 * 2.
+        assert got["leaf"] == ([6.0] * 4, True, True), (rank, got)
+        assert got["grad_after"], (rank, got)
+
+
 def test_copy_backs_work_under_inference_mode_and_for_leaves(tmp_path):
     for rank, out in enumerate(values(run_ranks(_inference_mode, 2, tmp_path))):
         # The whole base: the view's columns reduced, the columns between them (never part of

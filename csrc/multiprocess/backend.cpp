@@ -253,6 +253,14 @@ class RingReduceBackend final : public c10d::Backend {
     if (t.layout() == at::kSparse) return sparse_allreduce(tensors, t, op, opts.asyncOp);
     check(name, {t}, op, "tensor");
     auto tr = g_->transport;
+    if (t.is_contiguous() && !t.is_cuda() && tr->native() != nullptr) {
+      // A contiguous CPU tensor on one host (NativeTransport): the host collective writes its
+      // memory and calls no torch op, so the job goes without the InferenceMode guard
+      // (Job::memory_only). Should the tensor stop being contiguous before an asynchronous job
+      // runs, Comm::all_reduce refuses it rather than copy it.
+      return submit(name, OpType::ALLREDUCE, [tr, t, op] { tr->all_reduce(t, op); }, tensors,
+                    {t}, {t}, opts.asyncOp, c10::nullopt, false, /*memory_only=*/true);
+    }
     return submit(name, OpType::ALLREDUCE, [tr, t, op] {
       contiguous_do(t, [&](const at::Tensor& c) { tr->all_reduce(c, op); });
     }, tensors, {t}, {t}, opts.asyncOp);
@@ -942,7 +950,7 @@ class RingReduceBackend final : public c10d::Backend {
                                         c10::ArrayRef<at::Tensor> tensors,
                                         c10::ArrayRef<at::Tensor> inputs, bool async_op,
                                         c10::optional<at::Device> device = c10::nullopt,
-                                        bool drain_gpu = false) {
+                                        bool drain_gpu = false, bool memory_only = false) {
     for (const at::Tensor& t : tensors) {
       if (!t.is_cuda()) continue;
       if (!device || device->is_cpu()) {
@@ -968,10 +976,12 @@ class RingReduceBackend final : public c10d::Backend {
     job->work = work;
     job->run = std::move(run);
     job->drain_gpu = drain_gpu;
+    job->memory_only = memory_only;
     if (!async_) {
       // RINGREDUCE_ASYNC=0: inline in the caller's thread (on CUDA on the caller's stream).
       try {
-        c10::InferenceMode no_autograd;
+        c10::optional<c10::InferenceMode> no_autograd;  // as in Engine::execute
+        if (!memory_only) no_autograd.emplace();
         if (work->trace().on) g_->fr->started(work->trace());
         job->run();
       } catch (...) {

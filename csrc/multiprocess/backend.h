@@ -21,8 +21,9 @@
 // - Point-to-point runs on a thread of its own (p2p.h): a send waiting for ring space or a
 //   receive waiting for its message never holds up a collective, nor waits behind one.
 // - Any error fails the group (as NCCL does): peers fail at once, later collectives fail
-//   without running. Worker threads run under c10::InferenceMode and write tensor memory
-//   directly, so the caller's grad or inference mode does not matter.
+//   without running. Worker threads run under c10::InferenceMode (but for jobs that call no
+//   torch op) and write tensor memory directly, so the caller's grad or inference mode does not
+//   matter.
 // - shutdown() (destroy_process_group), abort() and interpreter exit (ringreduce registers an
 //   atexit hook) end every thread within bounded time.
 //

@@ -166,8 +166,8 @@ def parse_args(argv):
                    help="buffer size of the copy-bandwidth measurement (cpu; default twice the "
                         "largest cache, 256M to 1G)")
     p.add_argument("--paired-floor-up-to", type=common.parse_size, default=0, metavar="SIZE",
-                   help="time torch's floor after every call up to SIZE (see above; default 0: "
-                        "never)")
+                   help="time torch's floor in windows between the calls up to SIZE (see above; "
+                        "default 0: never)")
     p.add_argument("--json", metavar="PATH", help="write the rows and the run's configuration")
     args = p.parse_args(argv)
     import torch
@@ -355,7 +355,7 @@ def _rank_body(rank, world, label, store, args):
         dist.init_process_group(backend, init_method=f"file://{store}", rank=rank,
                                 world_size=world, timeout=datetime.timedelta(seconds=args.timeout))
         all_reduce = dist.all_reduce
-    # Paired floor: torch's call on FakeProcessGroup timed after each of the backend's calls.
+    # Paired floor: torch's call on FakeProcessGroup, timed in windows between the backend's.
     paired_up_to = args.paired_floor_up_to if label not in SWEEP_ONLY else 0
     if label == "floor" or paired_up_to:
         import torch.testing._internal.distributed.fake_pg  # noqa: F401  (registers "fake")

@@ -133,16 +133,21 @@ void reduce_in_ring_order(int n, int64_t count, int64_t first, int64_t len, char
 // every element summed over the slots in rank order 0..N-1 in fp32, rounded once, which is
 // two_shot_all_reduce's result at every size.
 //
-// No barrier at the start or the end. This phase has one step: the publish of base + 1 says
-// "my slot holds my input". Two slots per rank, used alternately by this rank's small
-// all-reduces (next_small_slot: every rank counts the same calls, so all use the same slot in
-// a call). Why a rank P never overwrites a slot that a slow peer Q still reads: P writes slot s
-// in small all-reduce k + 2 only after it finished small all-reduce k + 1 (program order), in
-// which it waited for every peer's publish of that call's base + 1; Q publishes that only after
-// it finished small all-reduce k, its reads of everyone's slot s included (program order again;
-// the publish is a release store and P's wait an acquire load, so Q's reads happen before P's
-// writes). Whatever other collectives run between, they do not change this: they never touch
-// the small slots, and every rank runs them in the same order, so the count of small
+// No barrier at the start or the end. This phase has one step: "my slot holds my input", said
+// twice: first by the slot's `ready` (the call's seq, stored after the descriptor and the data),
+// then by the publish of base + 1. A waiter (HostGroup::wait_small) reads the slot first: when
+// the peer is there, the descriptor, the data (up to 8 bytes) and `ready` come in one cache line,
+// and the peer's progress is not read at all. The publish still comes, for the next phase's
+// barrier and for a peer that took another path (its slot never gets this seq: the publish ends
+// the wait and check_small_desc reports the disagreement). Two slots per rank, used alternately
+// by this rank's small all-reduces (next_small_slot: every rank counts the same calls, so all use
+// the same slot in a call). Why a rank P never overwrites a slot that a slow peer Q still reads:
+// P writes slot s in small all-reduce k + 2 only after it finished small all-reduce k + 1
+// (program order), in which it waited for every peer's `ready` or publish of that call; Q stores
+// either only after it finished small all-reduce k, its reads of everyone's slot s included
+// (program order again; both are release stores and P's wait acquire loads, so Q's reads happen
+// before P's writes). Whatever other collectives run between, they do not change this: they
+// never touch the small slots, and every rank runs them in the same order, so the count of small
 // all-reduces (the slot parity) and the progress values stay in step. The slot's descriptor is
 // covered by the same argument, which is why it lives in the slot and not in the header.
 //
@@ -161,13 +166,13 @@ void small_all_reduce(HostGroup& g, const Ctx& ctx, void* data, int64_t count, D
   const int64_t esize = elem_size(dtype);
   const int s = g.next_small_slot();
   const uint64_t base = g.base();
-  g.small_slot(rank, s)->desc = host_desc(ctx, int(dtype), int(op), -1, count, kSmallRound);
-  copy_bytes(g.small_data(rank, s), data, count * esize);
+  g.fill_small_slot(s, host_desc(ctx, int(dtype), int(op), -1, count, kSmallRound), data,
+                    count * esize);
   g.publish(base + 1);
   const char* what = "in the one-round (small message) all_reduce";
   for (int j = 1; j < n; ++j) {
     const int p = (rank + j) % n;
-    g.wait(p, base + 1, ctx, what);
+    g.wait_small(p, s, base + 1, ctx, what);
     g.check_small_desc(p, s, ctx);
     g.check_not_failed(p, base + 1, ctx, what);
   }

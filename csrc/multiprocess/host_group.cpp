@@ -323,10 +323,11 @@ HostGroup::HostGroup(int rank, int nranks, int64_t capacity, double timeout_s,
     throw std::runtime_error("ringreduce: shm_open(" + name_ + ") failed: " + errno_text(errno));
   linked_ = true;
   p2p_ring_bytes_ = ring_bytes_for(capacity, nranks);
-  // Page-aligned whatever the staging capacity, so slots and their data are 64-byte aligned.
+  // Page-aligned whatever the staging capacity, and each slot (its head and data) a whole
+  // number of cache lines, so every slot starts on a line of its own.
   small_offset_ = (kHeaderBytes + size_t(capacity) + kP2PCounterBytes +
                    size_t(nranks) * size_t(p2p_ring_bytes_) + 4095) / 4096 * 4096;
-  small_stride_ = sizeof(SmallSlot) + (size_t(small_bytes_) + 63) / 64 * 64;
+  small_stride_ = (sizeof(SmallSlot) + size_t(small_bytes_) + 63) / 64 * 64;
   map_bytes_ = small_offset_ + (2 * small_stride_ + 4095) / 4096 * 4096;
   // posix_fallocate reserves the pages now: without it a full /dev/shm shows up later as
   // SIGBUS on first touch instead of an error here.
@@ -378,6 +379,7 @@ HostGroup::HostGroup(int rank, int nranks, int64_t capacity, double timeout_s,
     SmallSlot* slot = new (static_cast<char*>(p) + small_offset_ + size_t(s) * small_stride_)
         SmallSlot();
     slot->desc.seq = 0;  // matches no collective (they count from 1)
+    slot->ready.store(0, std::memory_order_relaxed);
   }
   h->state.store(kLive, std::memory_order_release);
   headers_[size_t(rank)] = h;
@@ -651,8 +653,31 @@ void HostGroup::raise_peer_problem(int peer, uint64_t target, const Ctx& ctx,
 }
 
 void HostGroup::wait(int peer, uint64_t target, const Ctx& ctx, const char* what) const {
+  const Header* h = headers_[size_t(peer)];
+  wait_until(peer, target,
+             [h, target] { return h->progress.load(std::memory_order_acquire) >= target; }, ctx,
+             what);
+}
+
+void HostGroup::wait_small(int peer, int s, uint64_t target, const Ctx& ctx,
+                           const char* what) const {
+  const Header* h = headers_[size_t(peer)];
+  const SmallSlot* slot = small_slot(peer, s);
+  const uint64_t seq = ctx.seq;
+  // The slot first: in the common case it is the one line this wait reads.
+  wait_until(peer, target,
+             [h, slot, seq, target] {
+               return slot->ready.load(std::memory_order_acquire) == seq ||
+                      h->progress.load(std::memory_order_acquire) >= target;
+             },
+             ctx, what);
+}
+
+template <typename Ready>
+void HostGroup::wait_until(int peer, uint64_t target, Ready ready, const Ctx& ctx,
+                           const char* what) const {
   Header* h = headers_[size_t(peer)];
-  if (h->progress.load(std::memory_order_acquire) >= target) return;
+  if (ready()) return;
   // Spin (where the group fits the cores), then sleep; yield before sleeping only where the
   // group does not fit the cores (see kDefaultSpinNs and kYields). The clock is read every 64
   // pauses.
@@ -662,7 +687,7 @@ void HostGroup::wait(int peer, uint64_t target, const Ctx& ctx, const char* what
     auto move_at = move_ns_ > 0 ? spun + std::chrono::nanoseconds(move_ns_) : until;
     for (uint32_t i = 1;; ++i) {
       cpu_relax();
-      if (h->progress.load(std::memory_order_acquire) >= target) return;
+      if (ready()) return;
       if ((i & 63) == 0) {
         const auto now = Clock::now();
         if (now >= until) break;
@@ -688,7 +713,7 @@ void HostGroup::wait(int peer, uint64_t target, const Ctx& ctx, const char* what
   const int yields = spin_ns_ == 0 || spin_yield_ ? kYields : 0;
   for (int i = 0; i < yields; ++i) {
     sched_yield();
-    if (h->progress.load(std::memory_order_acquire) >= target) return;
+    if (ready()) return;
   }
   // Tells peers whom this rank is blocked on, for their timeout messages. Cleared when the
   // wait succeeds; left in place when it fails, so that a peer timing out at the same moment
@@ -699,16 +724,17 @@ void HostGroup::wait(int peer, uint64_t target, const Ctx& ctx, const char* what
   for (;;) {
     const uint32_t w = h->wake.load(std::memory_order_seq_cst);
     h->waiters.fetch_add(1, std::memory_order_seq_cst);
-    const bool ready = h->progress.load(std::memory_order_seq_cst) >= target;
+    // The seq_cst load of `progress` pairs with publish(): a publish after it wakes this sleep.
+    const bool done = ready() || h->progress.load(std::memory_order_seq_cst) >= target;
     const uint32_t st = h->state.load(std::memory_order_seq_cst);
     const auto now = Clock::now();
-    if (!ready && st == kLive && now < ctx.deadline) {
+    if (!done && st == kLive && now < ctx.deadline) {
       const int64_t left = std::chrono::duration_cast<std::chrono::nanoseconds>(
                                ctx.deadline - now).count();
       futex_wait(&h->wake, w, left < 50000000 ? left : 50000000);
     }
     h->waiters.fetch_sub(1, std::memory_order_seq_cst);
-    if (h->progress.load(std::memory_order_acquire) >= target) {
+    if (ready()) {
       mark.store(-1, std::memory_order_release);
       return;
     }
@@ -753,6 +779,13 @@ void HostGroup::set_desc(const Desc& d) { headers_[size_t(rank_)]->desc = d; }
 
 void HostGroup::check_desc(int peer, const Ctx& ctx) const {
   compare_descs(headers_[size_t(rank_)]->desc, headers_[size_t(peer)]->desc, peer, ctx);
+}
+
+void HostGroup::fill_small_slot(int s, const Desc& d, const void* data, int64_t bytes) {
+  SmallSlot* slot = small_slot(rank_, s);
+  slot->desc = d;
+  if (bytes > 0) std::memcpy(small_data(rank_, s), data, size_t(bytes));  // data may be null at 0
+  slot->ready.store(d.seq, std::memory_order_release);
 }
 
 void HostGroup::check_small_desc(int peer, int s, const Ctx& ctx) const {

@@ -132,10 +132,12 @@ struct alignas(64) Header {
   // may exit with its exports still mapped there.
   std::atomic<uint32_t> cuda_closing;
   std::atomic<uint32_t> cuda_leaving;
+  char message[1024];                         // why, when not kLive
   // The number (Desc::seq) of the last one-round all-reduce this rank finished: a peer that
   // finds this rank aborted tells "failed inside it" from "failed after it" (check_not_failed).
-  std::atomic<uint64_t> small_done;
-  char message[1024];                         // why, when not kLive
+  // On a line of its own: written by every one-round all-reduce and read by peers only after an
+  // abort, so that `state`'s line, which peers read in every one, stays in their caches.
+  alignas(64) std::atomic<uint64_t> small_done;
   alignas(64) Desc desc;
   alignas(64) CudaArea cuda;
   // Point-to-point (p2p.h): bumped by whoever gives this rank's p2p thread something to do (a
@@ -157,12 +159,18 @@ struct P2PCounters {
   Counter consumed[kMaxRanks];
 };
 
-// The head of a small-message slot (HostGroup::small_slot), its data follows on the next cache
-// line. Each slot carries its own descriptor: the header's `desc` cannot serve a phase that
-// starts without a barrier (cpu_collectives.cpp, the one-round all-reduce).
-struct alignas(64) SmallSlot {
+// The head of a small-message slot (HostGroup::small_slot), 64-byte aligned; its data follows
+// right after it (small_data), so that a tensor of up to 8 bytes shares the head's cache line and
+// a peer reads the descriptor, the publish and the data in one transfer. Each slot carries its
+// own descriptor: the header's `desc` cannot serve a phase that starts without a barrier
+// (cpu_collectives.cpp, the one-round all-reduce).
+struct SmallSlot {
   Desc desc;
+  // Desc::seq of the all-reduce whose input the slot holds, stored (release) after the
+  // descriptor and the data (HostGroup::fill_small_slot).
+  std::atomic<uint64_t> ready;
 };
+static_assert(sizeof(SmallSlot) == 56, "a small slot's head leaves 8 bytes of its cache line");
 
 // Thrown for every failure that involves another rank (timeouts, dead or failed peers,
 // mismatched arguments). The binding turns it into a Python RuntimeError.
@@ -237,7 +245,16 @@ class HostGroup {
   // Rank r's small-message slot `s` (0 or 1); its data (small_bytes() bytes) follows at
   // small_data(r, s), 64-byte aligned.
   SmallSlot* small_slot(int r, int s) const;
-  char* small_data(int r, int s) const { return reinterpret_cast<char*>(small_slot(r, s) + 1); }
+  char* small_data(int r, int s) const {
+    return reinterpret_cast<char*>(small_slot(r, s)) + sizeof(SmallSlot);
+  }
+  // Fills this rank's small slot `s` for the all-reduce that `d` describes: the descriptor, then
+  // `bytes` of `data`, then (release) `ready`, before the phase's publish.
+  void fill_small_slot(int s, const Desc& d, const void* data, int64_t bytes);
+  // Waits until rank `peer` has filled its small slot `s` for all-reduce `ctx` (its `ready` holds
+  // ctx.seq) or has published `target` (a peer that took another path or runs another
+  // collective: check_small_desc then says how they disagree). Otherwise as wait().
+  void wait_small(int peer, int s, uint64_t target, const Ctx& ctx, const char* what) const;
   // The slot this rank's next small all-reduce writes: 0, 1, 0, ... (the count of small
   // all-reduces, which every rank runs in the same order, so all ranks agree on it).
   int next_small_slot() { return int(small_calls_++ & 1); }
@@ -326,6 +343,10 @@ class HostGroup {
                                        const char* what, Problem problem) const;
   std::string where_is(int peer) const;  // "is at step 2 of this phase" etc.
   void compare_descs(const Desc& mine, const Desc& theirs, int peer, const Ctx& ctx) const;
+  // The waits behind wait() and wait_small(): until `ready()`, which holds once rank `peer` has
+  // published `target`, if not before.
+  template <typename Ready>
+  void wait_until(int peer, uint64_t target, Ready ready, const Ctx& ctx, const char* what) const;
   std::string setting_mismatch(const Header* h) const;
   bool same_settings(const Header* h) const;
   std::string size_mismatch(int fd, size_t size) const;  // why a peer's segment size differs

@@ -770,7 +770,7 @@ int64_t fused_all_reduce(const std::vector<at::Tensor>& tensors, const std::stri
   const std::string fn = "ringreduce._C.fused_all_reduce";
   check_ranks(fn, "tensors", tensors, true);
   const rr::DType dtype = rr::dtype_of(tensors[0], fn, "tensors");
-  const rr::Op op = rr::op_for(op_name, dtype, fn);
+  [[maybe_unused]] const rr::Op op = rr::op_for(op_name, dtype, fn);  // checked on every build
   TORCH_CHECK_VALUE(tensors[0].is_cuda(), fn, ": needs CUDA tensors");
   for (const at::Tensor& t : tensors) {
     TORCH_CHECK_VALUE(t.device() == tensors[0].device(), fn, ": every tensor must be on ",

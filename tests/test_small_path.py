@@ -59,12 +59,15 @@ def _group(small_bytes, timeout=30.0):
 # Exact results
 
 SMALL_T = 96  # bytes: a threshold that cuts every dtype's sizes in a few elements
+INLINE_BYTES = 8  # host_group.h kInlineSmallBytes: data in the slot head's cache line
 
 
 def _counts(esize, threshold):
-    """0, 1, odd sizes, and the sizes just around `threshold` bytes."""
+    """0, 1, odd sizes, the sizes just around `threshold` bytes, and the last in the slot
+    head's line and the first after it."""
     edge = threshold // esize
-    return sorted({0, 1, 3, 7, 33, max(0, edge - 1), edge, edge + 1})
+    inline = INLINE_BYTES // esize
+    return sorted({0, 1, 3, 7, 33, max(0, edge - 1), edge, edge + 1, inline, inline + 1})
 
 
 def _exact_sweep(rank, world, store):

@@ -180,11 +180,11 @@ void small_all_reduce(HostGroup& g, const Ctx& ctx, void* data, int64_t count, D
     // Every element summed over the slots in rank order 0, 1, ..., N-1 and rounded once: the
     // bits of the larger tensors' two-shot path.
     std::vector<const void*> slots(static_cast<size_t>(n));
-    for (int r = 0; r < n; ++r) slots[size_t(r)] = g.small_data(r, s);
+    for (int r = 0; r < n; ++r) slots[size_t(r)] = g.small_data(r, s, count * esize);
     ::rr::cpu::sum_rounded_once(dtype, op, data, slots.data(), n, count);
   } else {
     reduce_in_ring_order(n, count, 0, count, static_cast<char*>(data),
-                         [&](int r) { return g.small_data(r, s); }, dtype, op);
+                         [&](int r) { return g.small_data(r, s, count * esize); }, dtype, op);
   }
   g.end_phase(1);
   g.small_finished(ctx);

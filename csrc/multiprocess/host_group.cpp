@@ -327,7 +327,7 @@ HostGroup::HostGroup(int rank, int nranks, int64_t capacity, double timeout_s,
   // number of cache lines, so every slot starts on a line of its own.
   small_offset_ = (kHeaderBytes + size_t(capacity) + kP2PCounterBytes +
                    size_t(nranks) * size_t(p2p_ring_bytes_) + 4095) / 4096 * 4096;
-  small_stride_ = (sizeof(SmallSlot) + size_t(small_bytes_) + 63) / 64 * 64;
+  small_stride_ = 64 + (size_t(small_bytes_) + 63) / 64 * 64;
   map_bytes_ = small_offset_ + (2 * small_stride_ + 4095) / 4096 * 4096;
   // posix_fallocate reserves the pages now: without it a full /dev/shm shows up later as
   // SIGBUS on first touch instead of an error here.
@@ -784,7 +784,8 @@ void HostGroup::check_desc(int peer, const Ctx& ctx) const {
 void HostGroup::fill_small_slot(int s, const Desc& d, const void* data, int64_t bytes) {
   SmallSlot* slot = small_slot(rank_, s);
   slot->desc = d;
-  if (bytes > 0) std::memcpy(small_data(rank_, s), data, size_t(bytes));  // data may be null at 0
+  // An empty tensor's data may be null.
+  if (bytes > 0) std::memcpy(small_data(rank_, s, bytes), data, size_t(bytes));
   slot->ready.store(d.seq, std::memory_order_release);
 }
 

@@ -159,10 +159,11 @@ struct P2PCounters {
   Counter consumed[kMaxRanks];
 };
 
-// The head of a small-message slot (HostGroup::small_slot), 64-byte aligned; its data follows
-// right after it (small_data), so that a tensor of up to 8 bytes shares the head's cache line and
-// a peer reads the descriptor, the publish and the data in one transfer. Each slot carries its
-// own descriptor: the header's `desc` cannot serve a phase that starts without a barrier
+// The head of a small-message slot (HostGroup::small_slot), 64-byte aligned. Data of up to
+// kInlineSmallBytes follows right after it, in the head's cache line, so that a peer reads the
+// descriptor, the publish and the data in one transfer; larger data starts on the next line
+// (small_data), where the copies and the combine find it aligned. Each slot carries its own
+// descriptor: the header's `desc` cannot serve a phase that starts without a barrier
 // (cpu_collectives.cpp, the one-round all-reduce).
 struct SmallSlot {
   Desc desc;
@@ -171,6 +172,7 @@ struct SmallSlot {
   std::atomic<uint64_t> ready;
 };
 static_assert(sizeof(SmallSlot) == 56, "a small slot's head leaves 8 bytes of its cache line");
+constexpr int64_t kInlineSmallBytes = 64 - int64_t(sizeof(SmallSlot));
 
 // Thrown for every failure that involves another rank (timeouts, dead or failed peers,
 // mismatched arguments). The binding turns it into a Python RuntimeError.
@@ -242,11 +244,13 @@ class HostGroup {
   void ring_own_bell();
   // Sleeps while this rank's p2p bell still reads `seen`, at most `ns` nanoseconds.
   void wait_bell(uint32_t seen, int64_t ns) const;
-  // Rank r's small-message slot `s` (0 or 1); its data (small_bytes() bytes) follows at
-  // small_data(r, s), 64-byte aligned.
+  // Rank r's small-message slot `s` (0 or 1); the data of an all-reduce of `bytes` bytes (at
+  // most small_bytes()) lies at small_data(r, s, bytes): in the head's line up to
+  // kInlineSmallBytes, 64-byte aligned on the lines after it otherwise.
   SmallSlot* small_slot(int r, int s) const;
-  char* small_data(int r, int s) const {
-    return reinterpret_cast<char*>(small_slot(r, s)) + sizeof(SmallSlot);
+  char* small_data(int r, int s, int64_t bytes) const {
+    return reinterpret_cast<char*>(small_slot(r, s)) +
+           (bytes <= kInlineSmallBytes ? sizeof(SmallSlot) : 64);
   }
   // Fills this rank's small slot `s` for the all-reduce that `d` describes: the descriptor, then
   // `bytes` of `data`, then (release) `ready`, before the phase's publish.

@@ -217,7 +217,8 @@ def test_transport_setting_is_validated(monkeypatch):
 
 # Float sums and averages take loops compiled for AVX-512, AVX2 and the baseline
 # (csrc/ring/cpu_executor.cpp); RINGREDUCE_CPU_SIMD caps the width, read once per process, so
-# each width runs in its own interpreter. Every width must give the ring model's bits.
+# each width runs in its own interpreter. Every width must give the ring model's bits. AVX-512
+# runs only for loops of at least RINGREDUCE_CPU_AVX512_MIN_BYTES (0 here: every size).
 _SIMD_SCRIPT = """
 import sys, torch, ringreduce
 sys.path.insert(0, sys.argv[1])
@@ -241,9 +242,10 @@ print("ran", ringreduce._C.cpu_simd_ran())
 """
 
 
-def _run_simd_script(env_value):
-    env = dict(os.environ, RINGREDUCE_CPU_SIMD=env_value)
-    return subprocess.run([sys.executable, "-c", _SIMD_SCRIPT, os.path.dirname(__file__)],
+def _run_simd_script(env_value, script=_SIMD_SCRIPT, avx512_min_bytes="0"):
+    env = dict(os.environ, RINGREDUCE_CPU_SIMD=env_value,
+               RINGREDUCE_CPU_AVX512_MIN_BYTES=avx512_min_bytes)
+    return subprocess.run([sys.executable, "-c", script, os.path.dirname(__file__)],
                           capture_output=True, text=True, env=env, timeout=240)
 
 
@@ -274,9 +276,13 @@ def test_every_simd_width_gives_the_ring_bits(width):
     assert f"ran {width}\n" in proc.stdout, proc.stdout  # those loops, not a narrower width's
 
 
+AVX512_MIN_BYTES = 256 << 10  # cpu_executor.cpp kDefaultAvx512MinBytes
+
+
 def test_the_widest_simd_width_the_cpu_has_runs():
     """Without RINGREDUCE_CPU_SIMD the float sum loops of the widest width the CPU lists run (in
-    this process: the width is chosen at its first float sum; the setting can only narrow it)."""
+    this process: the width is chosen at its first float sum; the setting can only narrow it),
+    AVX-512 only for loops of at least RINGREDUCE_CPU_AVX512_MIN_BYTES (default 256 KiB)."""
     flags = _cpu_flags()
     if not flags:
         pytest.skip("no /proc/cpuinfo flags: nothing to say which width the CPU has")
@@ -285,10 +291,45 @@ def test_the_widest_simd_width_the_cpu_has_runs():
     asked = os.environ.get("RINGREDUCE_CPU_SIMD")
     if asked in widths:
         widest = min(widest, widths.index(asked))
-    tensors = [torch.full((33,), float(r + 1)) for r in range(3)]
+    min_bytes = int(os.environ.get("RINGREDUCE_CPU_AVX512_MIN_BYTES") or AVX512_MIN_BYTES)
+    # 3 ranks: ring chunks of ceil(count / 3) elements (rounded up to 16 bytes), one loop each.
+    for count, chunk in ((33, 12), (3 * 65540, 65540)):
+        tensors = [torch.full((count,), float(r + 1)) for r in range(3)]
+        ringreduce.all_reduce(tensors)
+        assert torch.equal(tensors[0], torch.full((count,), 6.0))
+        want = widest if chunk * 4 >= min_bytes else min(widest, 1)
+        assert ringreduce._C.cpu_simd_ran() == widths[want], (
+            count, ringreduce._C.cpu_simd_ran(), flags)
+
+
+_THRESHOLD_SCRIPT = """
+import torch, ringreduce
+for dtype, count in ((torch.float32, 1024), (torch.float32, 2048), (torch.float64, 1024),
+                     (torch.float32, 1024)):
+    tensors = [torch.full((count,), float(r + 1), dtype=dtype) for r in range(2)]
     ringreduce.all_reduce(tensors)
-    assert torch.equal(tensors[0], torch.full((33,), 6.0))
-    assert ringreduce._C.cpu_simd_ran() == widths[widest], (ringreduce._C.cpu_simd_ran(), flags)
+    assert torch.equal(tensors[1], torch.full((count,), 3.0, dtype=dtype))
+    print(dtype, count, ringreduce._C.cpu_simd_ran())
+"""
+
+
+@pytest.mark.skipif("avx512f" not in _cpu_flags(), reason="this CPU lacks avx512f "
+                    "(/proc/cpuinfo): no AVX-512 loops to switch to")
+def test_avx512_runs_from_its_threshold():
+    """RINGREDUCE_CPU_AVX512_MIN_BYTES=4096: 2 ranks' loops of 2 KiB run AVX2's, of 4 KiB
+    (2048 float32 or 1024 float64 elements) AVX-512's, and 2 KiB after those AVX2's again."""
+    proc = _run_simd_script("avx512", _THRESHOLD_SCRIPT, "4096")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert proc.stdout.split("\n")[:4] == [
+        "torch.float32 1024 avx2", "torch.float32 2048 avx512", "torch.float64 1024 avx512",
+        "torch.float32 1024 avx2"], proc.stdout
+
+
+def test_bad_avx512_threshold_is_refused():
+    proc = _run_simd_script("avx2", _THRESHOLD_SCRIPT, "lots")
+    assert proc.returncode != 0
+    assert "RINGREDUCE_CPU_AVX512_MIN_BYTES must be a byte count >= 0; got 'lots'" in (
+        proc.stderr), proc.stderr
 
 
 def test_bad_simd_setting_is_refused():

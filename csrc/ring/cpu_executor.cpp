@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cerrno>
 #include <cstdlib>
 #include <cstring>
 #include <stdexcept>
@@ -27,7 +28,8 @@ void combine_typed(T* dst, const T* own, const T* src, int64_t n, bool last, int
 // Float sums (and averages) are most of the traffic: these loops are compiled for AVX-512, AVX2
 // and the baseline, and the first call picks the widest the CPU has (__builtin_cpu_supports;
 // not GCC's target_clones, whose ifunc resolvers run before ThreadSanitizer is initialised and
-// crash tests/test_fused.py's TSan build). One IEEE add (then one division on an average's
+// crash tests/test_fused.py's TSan build), AVX-512 only for loops of at least
+// avx512_min_bytes() (below). One IEEE add (then one division on an average's
 // last hop) per element in any width, so every width gives the generic loop's bits.
 // Each loop notes its width (simd_width_ran), written only when it changes: the ranks' threads
 // share the variable, and the same width again costs them a load.
@@ -77,22 +79,58 @@ int simd_width() {
   return width;
 }
 
+// RINGREDUCE_CPU_AVX512_MIN_BYTES's default: float sum loops over fewer bytes than this run
+// AVX2's loops even where the CPU has AVX-512. On an Intel Xeon (2-core VM), AVX-512 after a
+// pause of a few ms slowed the next ~1 ms of calls (a 1 KiB all-reduce 6.5 instead of 5.2 us for
+// its first 150-200 calls), where AVX2's ran at full speed from the first call and no slower at
+// 1 KiB-64 KiB; from 256 KiB the two were within the runs' spread, and the large loops keep
+// AVX-512 (docs/DESIGN.md, bench/RESULTS.md 2026-12-07).
+constexpr int64_t kDefaultAvx512MinBytes = 256 << 10;
+
+int64_t avx512_min_bytes() {
+  const char* v = std::getenv("RINGREDUCE_CPU_AVX512_MIN_BYTES");
+  if (v == nullptr || *v == '\0') return kDefaultAvx512MinBytes;
+  char* end = nullptr;
+  errno = 0;
+  const long long n = std::strtoll(v, &end, 10);
+  if (end == v || *end != '\0' || errno != 0 || n < 0)
+    throw std::invalid_argument("ringreduce: RINGREDUCE_CPU_AVX512_MIN_BYTES must be a byte "
+                                "count >= 0; got '" + std::string(v) + "'");
+  return int64_t(n);
+}
+
 template <typename F>
-const AddLoops<F>& add_loops() {
-  static const AddLoops<F> loops = [] {
-    switch (simd_width()) {
-      case 2: return AddLoops<F>{add_avx512<F>, add_div_avx512<F>};
-      case 1: return AddLoops<F>{add_avx2<F>, add_div_avx2<F>};
-      default: return AddLoops<F>{add_base<F>, add_div_base<F>};
-    }
+AddLoops<F> loops_of_width(int width) {
+  switch (width) {
+    case 2: return AddLoops<F>{add_avx512<F>, add_div_avx512<F>};
+    case 1: return AddLoops<F>{add_avx2<F>, add_div_avx2<F>};
+    default: return AddLoops<F>{add_base<F>, add_div_base<F>};
+  }
+}
+
+// The loops for n elements: the widest allowed from avx512_min_bytes() up, at most AVX2 below.
+template <typename F>
+struct WidthChoice {
+  AddLoops<F> narrow;
+  AddLoops<F> wide;
+  int64_t wide_from;  // elements
+};
+
+template <typename F>
+const AddLoops<F>& add_loops(int64_t n) {
+  static const WidthChoice<F> choice = [] {
+    const int width = simd_width();
+    const int64_t min_bytes = avx512_min_bytes();
+    return WidthChoice<F>{loops_of_width<F>(std::min(width, 1)), loops_of_width<F>(width),
+                          (min_bytes + int64_t(sizeof(F)) - 1) / int64_t(sizeof(F))};
   }();
-  return loops;
+  return n >= choice.wide_from ? choice.wide : choice.narrow;
 }
 
 template <typename F>
 void add_or_divide(bool divide, void* dst, const void* own, const void* src, int64_t n,
                    int nranks) {
-  const AddLoops<F>& loops = add_loops<F>();
+  const AddLoops<F>& loops = add_loops<F>(n);
   auto* d = static_cast<F*>(dst);
   auto* a = static_cast<const F*>(own);
   auto* b = static_cast<const F*>(src);

@@ -325,11 +325,12 @@ def test_avx512_runs_from_its_threshold():
         "torch.float32 1024 avx2"], proc.stdout
 
 
-def test_bad_avx512_threshold_is_refused():
-    proc = _run_simd_script("avx2", _THRESHOLD_SCRIPT, "lots")
+@pytest.mark.parametrize("value", ["lots", "-1", "4096B"])
+def test_bad_avx512_threshold_is_refused(value):
+    proc = _run_simd_script("avx2", _THRESHOLD_SCRIPT, value)
     assert proc.returncode != 0
-    assert "RINGREDUCE_CPU_AVX512_MIN_BYTES must be a byte count >= 0; got 'lots'" in (
-        proc.stderr), proc.stderr
+    assert "RINGREDUCE_CPU_AVX512_MIN_BYTES must be a number of bytes" in proc.stderr, proc.stderr
+    assert f"got '{value}'" in proc.stderr, proc.stderr
 
 
 def test_bad_simd_setting_is_refused():

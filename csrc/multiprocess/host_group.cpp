@@ -243,24 +243,6 @@ std::string desc_text(const Desc& d) {
 
 }  // namespace
 
-// The value of environment variable `name`, an integer in [lo, hi]; `dflt` when unset or blank.
-int64_t env_int(const char* name, int64_t dflt, int64_t lo, int64_t hi, const char* meaning) {
-  const char* raw = std::getenv(name);
-  if (raw == nullptr) return dflt;
-  const char* p = raw;
-  while (*p == ' ' || *p == '\t') ++p;
-  if (*p == '\0') return dflt;
-  char* end = nullptr;
-  errno = 0;
-  const long long v = std::strtoll(p, &end, 10);
-  while (end != nullptr && (*end == ' ' || *end == '\t')) ++end;
-  if (errno != 0 || end == p || *end != '\0' || v < lo || v > hi)
-    throw std::invalid_argument(std::string("ringreduce: ") + name + " must be " + meaning +
-                                " in [" + std::to_string(lo) + ", " + std::to_string(hi) +
-                                "]; got '" + raw + "'");
-  return int64_t(v);
-}
-
 const char* kind_name(Kind k) {
   switch (k) {
     case Kind::None: return "nothing";

@@ -31,6 +31,8 @@
 #include <string>
 #include <vector>
 
+#include "../ring/env.h"
+
 namespace rr {
 namespace dist {
 
@@ -47,10 +49,6 @@ enum class Kind : int32_t {
   AllToAll
 };
 const char* kind_name(Kind k);
-
-// The value of environment variable `name`, an integer in [lo, hi]; `dflt` when unset or blank;
-// std::invalid_argument naming the variable and `meaning` otherwise.
-int64_t env_int(const char* name, int64_t dflt, int64_t lo, int64_t hi, const char* meaning);
 
 // What a rank is doing in the current phase. Written before the phase's first publish, read by
 // peers after it, so that ranks that disagree (shape, dtype, op, root, collective) fail with a

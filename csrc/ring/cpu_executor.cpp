@@ -1,8 +1,8 @@
 #include "cpu_executor.h"
+#include "env.h"
 
 #include <algorithm>
 #include <atomic>
-#include <cerrno>
 #include <cstdlib>
 #include <cstring>
 #include <stdexcept>
@@ -88,15 +88,9 @@ int simd_width() {
 constexpr int64_t kDefaultAvx512MinBytes = 256 << 10;
 
 int64_t avx512_min_bytes() {
-  const char* v = std::getenv("RINGREDUCE_CPU_AVX512_MIN_BYTES");
-  if (v == nullptr || *v == '\0') return kDefaultAvx512MinBytes;
-  char* end = nullptr;
-  errno = 0;
-  const long long n = std::strtoll(v, &end, 10);
-  if (end == v || *end != '\0' || errno != 0 || n < 0)
-    throw std::invalid_argument("ringreduce: RINGREDUCE_CPU_AVX512_MIN_BYTES must be a byte "
-                                "count >= 0; got '" + std::string(v) + "'");
-  return int64_t(n);
+  return env_int("RINGREDUCE_CPU_AVX512_MIN_BYTES", kDefaultAvx512MinBytes, 0, int64_t(1) << 62,
+                 "a number of bytes (the shortest float sum loop that runs AVX-512's loops; 0: "
+                 "every loop)");
 }
 
 template <typename F>

@@ -417,6 +417,25 @@ def native_stack_handler():
     return lib
 
 
+def cpu_flags():
+    """The CPU's feature flags as the kernel lists them (empty where /proc/cpuinfo is not)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((set(line.split(":", 1)[1].split()) for line in f
+                         if line.startswith("flags")), set())
+    except OSError:
+        return set()
+
+
+def simd_width_param(name, *flags):
+    """RINGREDUCE_CPU_SIMD=name as a test parameter, skipped where the CPU lacks one of `flags`:
+    there cpu_executor.cpp takes a narrower width's loops, and the case would check another."""
+    missing = [f for f in flags if f not in cpu_flags()]
+    return pytest.param(name, marks=pytest.mark.skipif(
+        bool(missing), reason=f"this CPU lacks {' '.join(missing)} (/proc/cpuinfo): "
+        f"RINGREDUCE_CPU_SIMD={name} would run a narrower width's loops here"))
+
+
 def seeded(*case):
     """A generator seeded from the case's description: the same seed in every process and run
     (hash() of a str is randomised per process), printed so a failure can be reproduced."""

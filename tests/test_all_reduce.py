@@ -8,7 +8,7 @@ import torch
 import torch.distributed as dist
 
 import ringreduce
-from checks import seeded
+from checks import cpu_flags, seeded, simd_width_param
 from reference import ALL_DTYPES, assert_close_to_wide, random_inputs, ring_model, valid_ops
 
 # Sizes around every boundary: empty, fewer elements than ranks, odd, one past a 16-byte
@@ -249,25 +249,8 @@ def _run_simd_script(env_value, script=_SIMD_SCRIPT, avx512_min_bytes="0"):
                           capture_output=True, text=True, env=env, timeout=240)
 
 
-def _cpu_flags():
-    """The CPU's feature flags as the kernel lists them (empty where /proc/cpuinfo is not)."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            return next((set(line.split(":", 1)[1].split()) for line in f
-                         if line.startswith("flags")), set())
-    except OSError:
-        return set()
-
-
-def _width(name, flag):
-    """RINGREDUCE_CPU_SIMD=name runs the `flag` loops only on a CPU that has `flag`: elsewhere
-    cpu_executor.cpp takes the CPU's narrower width, and the case would check another one."""
-    return pytest.param(name, marks=pytest.mark.skipif(
-        flag not in _cpu_flags(), reason=f"this CPU lacks {flag} (/proc/cpuinfo): "
-        f"RINGREDUCE_CPU_SIMD={name} would run a narrower width's loops here"))
-
-
-@pytest.mark.parametrize("width", [_width("avx512", "avx512f"), _width("avx2", "avx2"),
+@pytest.mark.parametrize("width", [simd_width_param("avx512", "avx512f"),
+                                   simd_width_param("avx2", "avx2"),
                                    "baseline"])
 def test_every_simd_width_gives_the_ring_bits(width):
     proc = _run_simd_script(width)
@@ -283,7 +266,7 @@ def test_the_widest_simd_width_the_cpu_has_runs():
     """Without RINGREDUCE_CPU_SIMD the float sum loops of the widest width the CPU lists run (in
     this process: the width is chosen at its first float sum; the setting can only narrow it),
     AVX-512 only for loops of at least RINGREDUCE_CPU_AVX512_MIN_BYTES (default 256 KiB)."""
-    flags = _cpu_flags()
+    flags = cpu_flags()
     if not flags:
         pytest.skip("no /proc/cpuinfo flags: nothing to say which width the CPU has")
     widths = ("baseline", "avx2", "avx512")
@@ -313,7 +296,7 @@ for dtype, count in ((torch.float32, 1024), (torch.float32, 2048), (torch.float6
 """
 
 
-@pytest.mark.skipif("avx512f" not in _cpu_flags(), reason="this CPU lacks avx512f "
+@pytest.mark.skipif("avx512f" not in cpu_flags(), reason="this CPU lacks avx512f "
                     "(/proc/cpuinfo): no AVX-512 loops to switch to")
 def test_avx512_runs_from_its_threshold():
     """RINGREDUCE_CPU_AVX512_MIN_BYTES=4096: 2 ranks' loops of 2 KiB run AVX2's, of 4 KiB

@@ -1,6 +1,13 @@
 #include "cpu_executor.h"
 #include "env.h"
 
+// GCC 12's AVX-512 intrinsics start from _mm512_undefined_*(), which its -Wmaybe-uninitialized
+// reports wherever they are inlined (GCC bug 105593, fixed in GCC 13): quiet for this header.
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#include <immintrin.h>
+#pragma GCC diagnostic pop
+
 #include <algorithm>
 #include <atomic>
 #include <cstdlib>
@@ -205,12 +212,14 @@ HalfRounding cuda_half_rounding_setting() {
 
 namespace {
 
-// Elements summed per pass: the fp32 accumulators (4 KiB) stay in L1 while every source's
-// piece is added into them.
+// Elements summed per pass of the baseline loop: the fp32 accumulators (4 KiB) stay in L1 while
+// every source's piece is added into them. Also the list API's all-reduce block (below).
 constexpr int64_t kOnceBlock = 1024;
 
+// The baseline: auto-vectorised for the CPU the build targets, float16's conversions scalar.
 template <typename T>
-void sum_rounded_once_typed(T* dst, const void* const* srcs, int nsrcs, int64_t n, bool avg) {
+void sum_once_base(T* dst, const void* const* srcs, int nsrcs, int64_t n, bool avg) {
+  note_width(0);
   float acc[kOnceBlock];
   const float divisor = float(nsrcs);
   for (int64_t i = 0; i < n; i += kOnceBlock) {
@@ -231,39 +240,230 @@ void sum_rounded_once_typed(T* dst, const void* const* srcs, int nsrcs, int64_t 
   }
 }
 
-}  // namespace
+// Element i of the same sum, for the vector loops' tails: the same fp32 operations in the same
+// order.
+template <typename T>
+inline T sum_once_at(const void* const* srcs, int nsrcs, int64_t i, bool avg) {
+  float acc = to_float(static_cast<const T*>(srcs[0])[i]);
+  for (int q = 1; q < nsrcs; ++q) acc += to_float(static_cast<const T*>(srcs[q])[i]);
+  if (avg) acc /= float(nsrcs);
+  return store_acc<T>(acc);
+}
 
-void sum_rounded_once(DType dtype, Op op, void* dst, const void* const* srcs, int nsrcs,
-                      int64_t n) {
+// The vector loops: each vector of elements is loaded from every source and converted to fp32
+// (exact), summed in rank order with IEEE adds (then one division on an average), and rounded
+// once to nearest even, as sum_once_base does element by element: the same bits, NaN payloads
+// included. bfloat16 converts with integer operations (the bits of bf16_from_float; AVX512_BF16's
+// conversion would flush subnormals), float16 with the F16C / AVX-512 conversions, which round
+// to nearest even and overflow to infinity as half_from_float does. All of a vector's loads
+// come before its store, so dst may be one of the sources.
+#define RR_MM_PTR(TYPE, P) reinterpret_cast<TYPE*>(P)
+#define RR_MM_CPTR(TYPE, P) reinterpret_cast<const TYPE*>(P)
+#define RR_AVX512 __attribute__((target("avx512f")))
+#define RR_AVX2 __attribute__((target("avx2,f16c")))
+
+RR_AVX512 inline __m512 load16(const bf16_bits* p) {
+  const __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256(RR_MM_CPTR(__m256i, p)));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
+}
+RR_AVX512 inline __m512 load16(const half_bits* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(RR_MM_CPTR(__m256i, p)));
+}
+RR_AVX512 inline void store16(bf16_bits* p, __m512 v) {
+  const __m512i u = _mm512_castps_si512(v);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+  const __m512i rounded =
+      _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(_mm512_set1_epi32(0x7fff), lsb)), 16);
+  const __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+  const __m512i quiet = _mm512_or_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(0x40));
+  _mm256_storeu_si256(RR_MM_PTR(__m256i, p),
+                      _mm512_cvtepi32_epi16(_mm512_mask_blend_epi32(nan, rounded, quiet)));
+}
+RR_AVX512 inline void store16(half_bits* p, __m512 v) {
+  _mm256_storeu_si256(RR_MM_PTR(__m256i, p),
+                      _mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+}
+
+template <typename T>
+RR_AVX512 void sum_once_avx512(T* dst, const void* const* srcs, int nsrcs, int64_t n, bool avg) {
+  note_width(2);
+  const __m512 divisor = _mm512_set1_ps(float(nsrcs));
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) {
+    __m512 acc = load16(static_cast<const T*>(srcs[0]) + i);
+    for (int q = 1; q < nsrcs; ++q) {
+      acc = _mm512_add_ps(acc, load16(static_cast<const T*>(srcs[q]) + i));
+    }
+    if (avg) acc = _mm512_div_ps(acc, divisor);
+    store16(dst + i, acc);
+  }
+  for (; i < n; ++i) dst[i] = sum_once_at<T>(srcs, nsrcs, i, avg);
+}
+
+RR_AVX2 inline __m256 load8(const half_bits* p) {
+  return _mm256_cvtph_ps(_mm_loadu_si128(RR_MM_CPTR(__m128i, p)));
+}
+RR_AVX2 inline void store8(half_bits* p, __m256 v) {
+  _mm_storeu_si128(RR_MM_PTR(__m128i, p),
+                   _mm256_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+}
+
+// float16, 8 elements an iteration (bfloat16: sum_once_avx2_bf16 below).
+template <typename T>
+RR_AVX2 void sum_once_avx2(T* dst, const void* const* srcs, int nsrcs, int64_t n, bool avg) {
+  note_width(1);
+  const __m256 divisor = _mm256_set1_ps(float(nsrcs));
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    __m256 acc = load8(static_cast<const T*>(srcs[0]) + i);
+    for (int q = 1; q < nsrcs; ++q) {
+      acc = _mm256_add_ps(acc, load8(static_cast<const T*>(srcs[q]) + i));
+    }
+    if (avg) acc = _mm256_div_ps(acc, divisor);
+    store8(dst + i, acc);
+  }
+  for (; i < n; ++i) dst[i] = sum_once_at<T>(srcs, nsrcs, i, avg);
+}
+
+// bfloat16, 16 elements an iteration: zeros interleaved below each element (unpack) make its
+// fp32 bits at once, in the order [0-3, 8-11] and [4-7, 12-15]; the pack of the rounded
+// results undoes that order lane by lane.
+RR_AVX2 inline void load16(const bf16_bits* p, __m256* lo, __m256* hi) {
+  const __m256i x = _mm256_loadu_si256(RR_MM_CPTR(__m256i, p));
+  *lo = _mm256_castsi256_ps(_mm256_unpacklo_epi16(_mm256_setzero_si256(), x));
+  *hi = _mm256_castsi256_ps(_mm256_unpackhi_epi16(_mm256_setzero_si256(), x));
+}
+// The bfloat16 bits of v in the low half of each 32-bit lane (bf16_from_float).
+RR_AVX2 inline __m256i round_bf16(__m256 v) {
+  const __m256i u = _mm256_castps_si256(v);
+  const __m256i top = _mm256_srli_epi32(u, 16);
+  const __m256i lsb = _mm256_and_si256(top, _mm256_set1_epi32(1));
+  const __m256i rounded =
+      _mm256_srli_epi32(_mm256_add_epi32(_mm256_add_epi32(u, _mm256_set1_epi32(0x7fff)), lsb), 16);
+  const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+  return _mm256_blendv_epi8(rounded, _mm256_or_si256(top, _mm256_set1_epi32(0x40)), nan);
+}
+RR_AVX2 inline void store16(bf16_bits* p, __m256 lo, __m256 hi) {
+  // Every lane holds 16 bits, so the unsigned saturation of the pack changes nothing.
+  _mm256_storeu_si256(RR_MM_PTR(__m256i, p), _mm256_packus_epi32(round_bf16(lo), round_bf16(hi)));
+}
+
+RR_AVX2 void sum_once_avx2_bf16(bf16_bits* dst, const void* const* srcs, int nsrcs, int64_t n,
+                                bool avg) {
+  note_width(1);
+  const __m256 divisor = _mm256_set1_ps(float(nsrcs));
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) {
+    __m256 lo, hi;
+    load16(static_cast<const bf16_bits*>(srcs[0]) + i, &lo, &hi);
+    for (int q = 1; q < nsrcs; ++q) {
+      __m256 lo_q, hi_q;
+      load16(static_cast<const bf16_bits*>(srcs[q]) + i, &lo_q, &hi_q);
+      lo = _mm256_add_ps(lo, lo_q);
+      hi = _mm256_add_ps(hi, hi_q);
+    }
+    if (avg) {
+      lo = _mm256_div_ps(lo, divisor);
+      hi = _mm256_div_ps(hi, divisor);
+    }
+    store16(dst + i, lo, hi);
+  }
+  for (; i < n; ++i) dst[i] = sum_once_at<bf16_bits>(srcs, nsrcs, i, avg);
+}
+
+#undef RR_AVX2
+#undef RR_AVX512
+#undef RR_MM_CPTR
+#undef RR_MM_PTR
+
+template <typename T>
+using OnceLoop = void (*)(T*, const void* const*, int, int64_t, bool);
+
+// The once-rounded loops for n elements, chosen as add_loops chooses the float ones: the widest
+// the CPU has (and RINGREDUCE_CPU_SIMD allows) from avx512_min_bytes() up, at most AVX2 below.
+// float16's AVX2 loop needs F16C too; without it float16 takes the baseline below AVX-512.
+template <typename T>
+struct OnceChoice {
+  OnceLoop<T> narrow;
+  OnceLoop<T> wide;
+  int64_t wide_from;  // elements
+};
+
+template <typename T>
+OnceLoop<T> once_loop_of_width(int width) {
+  if (width >= 2) return sum_once_avx512<T>;
+  if (width == 1 && __builtin_cpu_supports("f16c")) return sum_once_avx2<T>;
+  return sum_once_base<T>;
+}
+
+template <>
+OnceLoop<bf16_bits> once_loop_of_width<bf16_bits>(int width) {
+  if (width >= 2) return sum_once_avx512<bf16_bits>;
+  if (width == 1) return sum_once_avx2_bf16;
+  return sum_once_base<bf16_bits>;
+}
+
+template <typename T>
+OnceLoop<T> once_loop(int64_t n) {
+  static const OnceChoice<T> choice = [] {
+    const int width = simd_width();
+    const int64_t min_bytes = avx512_min_bytes();
+    return OnceChoice<T>{once_loop_of_width<T>(std::min(width, 1)), once_loop_of_width<T>(width),
+                         (min_bytes + int64_t(sizeof(T)) - 1) / int64_t(sizeof(T))};
+  }();
+  return n >= choice.wide_from ? choice.wide : choice.narrow;
+}
+
+void check_once(DType dtype, Op op, int nsrcs) {
   if (nsrcs < 1 || (op != Op::Sum && op != Op::Avg))
     throw std::logic_error("ringreduce internal error: sum_rounded_once takes sum or avg of at "
                            "least one source; got " + std::to_string(nsrcs) + " and op " +
                            op_name(op));
-  if (n <= 0) return;
-  if (dtype == DType::BF16) {
-    sum_rounded_once_typed(static_cast<bf16_bits*>(dst), srcs, nsrcs, n, op == Op::Avg);
-  } else if (dtype == DType::F16) {
-    sum_rounded_once_typed(static_cast<half_bits*>(dst), srcs, nsrcs, n, op == Op::Avg);
-  } else {
+  if (dtype != DType::BF16 && dtype != DType::F16)
     throw std::logic_error(std::string("ringreduce internal error: sum_rounded_once on ") +
                            dtype_name(dtype) + " (only float16 and bfloat16 round once)");
-  }
 }
 
-void all_reduce_once(const void* const* in, void* const* out, int nranks, int64_t count,
-                     DType dtype, Op op) {
-  const int64_t esize = elem_size(dtype);
+template <typename T>
+void all_reduce_once_typed(const void* const* in, void* const* out, int nranks, int64_t count,
+                           bool avg) {
+  const OnceLoop<T> loop = once_loop<T>(count);
   std::vector<const void*> srcs(static_cast<size_t>(nranks));
   // Block by block: the sum goes to out[0], then is copied to every other output. out[r] may
   // be in[r], which this block has finished reading by then; later blocks are untouched.
   for (int64_t i = 0; i < count; i += kOnceBlock) {
     const int64_t len = std::min(kOnceBlock, count - i);
-    for (int r = 0; r < nranks; ++r) srcs[size_t(r)] = static_cast<const char*>(in[r]) + i * esize;
-    char* first = static_cast<char*>(out[0]) + i * esize;
-    sum_rounded_once(dtype, op, first, srcs.data(), nranks, len);
+    for (int r = 0; r < nranks; ++r) srcs[size_t(r)] = static_cast<const T*>(in[r]) + i;
+    T* first = static_cast<T*>(out[0]) + i;
+    loop(first, srcs.data(), nranks, len, avg);
     for (int r = 1; r < nranks; ++r) {
-      std::memcpy(static_cast<char*>(out[r]) + i * esize, first, size_t(len * esize));
+      std::memcpy(static_cast<T*>(out[r]) + i, first, size_t(len) * sizeof(T));
     }
+  }
+}
+
+}  // namespace
+
+void sum_rounded_once(DType dtype, Op op, void* dst, const void* const* srcs, int nsrcs,
+                      int64_t n) {
+  check_once(dtype, op, nsrcs);
+  if (n <= 0) return;
+  const bool avg = op == Op::Avg;
+  if (dtype == DType::BF16) {
+    once_loop<bf16_bits>(n)(static_cast<bf16_bits*>(dst), srcs, nsrcs, n, avg);
+  } else {
+    once_loop<half_bits>(n)(static_cast<half_bits*>(dst), srcs, nsrcs, n, avg);
+  }
+}
+
+void all_reduce_once(const void* const* in, void* const* out, int nranks, int64_t count,
+                     DType dtype, Op op) {
+  check_once(dtype, op, nranks);
+  if (count <= 0) return;
+  if (dtype == DType::BF16) {
+    all_reduce_once_typed<bf16_bits>(in, out, nranks, count, op == Op::Avg);
+  } else {
+    all_reduce_once_typed<half_bits>(in, out, nranks, count, op == Op::Avg);
   }
 }
 

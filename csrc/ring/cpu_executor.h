@@ -18,9 +18,10 @@ void combine(DType dtype, Op op, void* dst, const void* own, const void* src, in
 // The in-place hop: dst[i] = combine(dst[i], src[i]).
 void combine(DType dtype, Op op, void* dst, const void* src, int64_t n, bool last, int nranks);
 
-// The width of the float sum loops (combine's SIMD path) that ran last in this process: 2 AVX-512,
-// 1 AVX2, 0 the baseline, -1 none yet. Set by the loops themselves, so it says which loops ran,
-// not which were asked for (tests/test_all_reduce.py checks it against RINGREDUCE_CPU_SIMD).
+// The width of the float sum loops (combine's SIMD path, and sum_rounded_once's for float16 and
+// bfloat16) that ran last in this process: 2 AVX-512, 1 AVX2, 0 the baseline, -1 none yet. Set
+// by the loops themselves, so it says which loops ran, not which were asked for
+// (tests/test_all_reduce.py and test_half_simd.py check it against RINGREDUCE_CPU_SIMD).
 int simd_width_ran();
 
 // Runs a plan (plan.h) over host buffers, one step at a time across all ranks.

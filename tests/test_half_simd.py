@@ -1,10 +1,10 @@
-"""float16 / bfloat16 sums rounded once (csrc/ring/cpu_executor.cpp, sum_rounded_once) run
-loops compiled for AVX-512, AVX2 (with F16C) and the baseline. RINGREDUCE_CPU_SIMD caps the
-width, read once per process, so each width runs in its own interpreter: the list API's
-all_reduce (in and out of place), reduce and reduce_scatter on every 16-bit pattern beside
-random and adversarial ones, odd counts around the vectors' 8 and 16 lanes and the 1024-element
-block. Every width must give the once-rounded model's bits (reference.py; NaN where it has NaN)
-and the baseline's."""
+"""float16 / bfloat16 sums and averages (csrc/ring/cpu_executor.cpp: sum_rounded_once, and each
+hop of the per-hop ring, RINGREDUCE_HALF_ROUNDING=per_hop) run loops compiled for AVX-512, AVX2
+(with F16C) and the baseline. RINGREDUCE_CPU_SIMD caps the width, read once per process, so
+each width runs in its own interpreter: the list API's all_reduce (in and out of place), reduce
+and reduce_scatter on every 16-bit pattern beside random and adversarial ones, odd counts around
+the vectors' 8 and 16 lanes and the 1024-element block. Every width must give the model's bits
+(reference.py; NaN where it has NaN) and the baseline's."""
 import os
 import subprocess
 import sys
@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from checks import assert_same_bits_but_nan_payload, seeded, simd_width_param
-from reference import adversarial_half_inputs, fp32_ordered_sum
+from reference import adversarial_half_inputs, reduce_scatter_model, ring_model
 
 HERE = os.path.dirname(__file__)
 
@@ -73,9 +73,9 @@ def cases():
     return out
 
 
-def _run(width, path):
-    env = dict(os.environ, RINGREDUCE_CPU_SIMD=width, RINGREDUCE_CPU_AVX512_MIN_BYTES="0")
-    env.pop("RINGREDUCE_HALF_ROUNDING", None)
+def _run(width, rounding, path):
+    env = dict(os.environ, RINGREDUCE_CPU_SIMD=width, RINGREDUCE_CPU_AVX512_MIN_BYTES="0",
+               RINGREDUCE_HALF_ROUNDING=rounding)
     proc = subprocess.run([sys.executable, "-c", _SCRIPT, HERE, str(path)], capture_output=True,
                           text=True, env=env, timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr
@@ -84,33 +84,42 @@ def _run(width, path):
 
 
 @pytest.fixture(scope="module")
-def baseline(tmp_path_factory):
-    return _run("baseline", tmp_path_factory.mktemp("half_simd") / "baseline.pt")
+def baselines(tmp_path_factory):
+    """The baseline loops' results for each rounding, run once per module."""
+    runs = {}
+
+    def get(rounding):
+        if rounding not in runs:
+            path = tmp_path_factory.mktemp("half_simd") / f"baseline-{rounding}.pt"
+            runs[rounding] = _run("baseline", rounding, path)
+        return runs[rounding]
+    return get
 
 
-def _expected(name, inputs, op):
-    n = len(inputs)
-    full = fp32_ordered_sum([t.reshape(-1) for t in inputs], op)
+def _expected(name, inputs, op, rounding):
     if name.endswith(" reduce_scatter"):
-        return full.view(n, -1)
+        return torch.stack(reduce_scatter_model(inputs, op, rounding))
+    full = ring_model(inputs, op, rounding)
     if name.endswith(" reduce"):
         return full
-    return full.expand(n, -1)
+    return full.expand(len(inputs), -1)
 
 
+@pytest.mark.parametrize("rounding", ["once", "per_hop"])
 @pytest.mark.parametrize("width", [simd_width_param("avx512", "avx512f"),
                                    simd_width_param("avx2", "avx2", "f16c"),
                                    "baseline"])
-def test_every_width_rounds_half_sums_once(width, baseline, tmp_path):
-    got = baseline if width == "baseline" else _run(width, tmp_path / f"{width}.pt")
+def test_every_width_gives_the_models_bits(width, rounding, baselines, tmp_path):
+    baseline = baselines(rounding)
+    got = baseline if width == "baseline" else _run(width, rounding, tmp_path / f"{width}.pt")
     inputs = {name: (ins, op) for name, ins, op in cases()}
     checked = 0
     for key, bits in got.items():
         case = next(c for c in inputs if key.startswith(c + " "))
         ins, op = inputs[case]
         result = bits.view(ins[0].dtype)
-        what = f"{width}: {key}"
-        assert_same_bits_but_nan_payload(result, _expected(key, ins, op), what)
+        what = f"{width}, {rounding}: {key}"
+        assert_same_bits_but_nan_payload(result, _expected(key, ins, op, rounding), what)
         assert_same_bits_but_nan_payload(result, baseline[key].view(ins[0].dtype),
                                          what + " against the baseline loops")
         checked += 1

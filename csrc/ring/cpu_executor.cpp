@@ -156,9 +156,15 @@ bool simd_combine(DType dtype, Op op, void* dst, const void* own, const void* sr
 
 }  // namespace
 
+namespace {
+bool half_combine(DType dtype, Op op, void* dst, const void* own, const void* src, int64_t n,
+                  bool last, int nranks);
+}  // namespace
+
 void combine(DType dtype, Op op, void* dst, const void* own, const void* src, int64_t n,
              bool last, int nranks) {
   if (simd_combine(dtype, op, dst, own, src, n, last, nranks)) return;
+  if (half_combine(dtype, op, dst, own, src, n, last, nranks)) return;
   RR_DISPATCH(dtype, op,
               combine_typed<T, kOp>(static_cast<T*>(dst), static_cast<const T*>(own),
                                     static_cast<const T*>(src), n, last, nranks));
@@ -218,10 +224,10 @@ constexpr int64_t kOnceBlock = 1024;
 
 // The baseline: auto-vectorised for the CPU the build targets, float16's conversions scalar.
 template <typename T>
-void sum_once_base(T* dst, const void* const* srcs, int nsrcs, int64_t n, bool avg) {
+void sum_once_base(T* dst, const void* const* srcs, int nsrcs, int64_t n, bool divide,
+                   float divisor) {
   note_width(0);
   float acc[kOnceBlock];
-  const float divisor = float(nsrcs);
   for (int64_t i = 0; i < n; i += kOnceBlock) {
     const int64_t len = std::min(kOnceBlock, n - i);
     // Starting from srcs[0] itself (not 0.0f) keeps a sum of -0.0s at -0.0.
@@ -231,7 +237,7 @@ void sum_once_base(T* dst, const void* const* srcs, int nsrcs, int64_t n, bool a
       const T* s = static_cast<const T*>(srcs[q]) + i;
       for (int64_t j = 0; j < len; ++j) acc[j] += to_float(s[j]);
     }
-    if (avg) {
+    if (divide) {
       for (int64_t j = 0; j < len; ++j) acc[j] /= divisor;
     }
     // Every source's elements of this block are read before any of dst's is written, so dst
@@ -243,10 +249,10 @@ void sum_once_base(T* dst, const void* const* srcs, int nsrcs, int64_t n, bool a
 // Element i of the same sum, for the vector loops' tails: the same fp32 operations in the same
 // order.
 template <typename T>
-inline T sum_once_at(const void* const* srcs, int nsrcs, int64_t i, bool avg) {
+inline T sum_once_at(const void* const* srcs, int nsrcs, int64_t i, bool divide, float divisor) {
   float acc = to_float(static_cast<const T*>(srcs[0])[i]);
   for (int q = 1; q < nsrcs; ++q) acc += to_float(static_cast<const T*>(srcs[q])[i]);
-  if (avg) acc /= float(nsrcs);
+  if (divide) acc /= divisor;
   return store_acc<T>(acc);
 }
 
@@ -285,19 +291,20 @@ RR_AVX512 inline void store16(half_bits* p, __m512 v) {
 }
 
 template <typename T>
-RR_AVX512 void sum_once_avx512(T* dst, const void* const* srcs, int nsrcs, int64_t n, bool avg) {
+RR_AVX512 void sum_once_avx512(T* dst, const void* const* srcs, int nsrcs, int64_t n, bool divide,
+                               float divisor) {
   note_width(2);
-  const __m512 divisor = _mm512_set1_ps(float(nsrcs));
+  const __m512 by = _mm512_set1_ps(divisor);
   int64_t i = 0;
   for (; i + 16 <= n; i += 16) {
     __m512 acc = load16(static_cast<const T*>(srcs[0]) + i);
     for (int q = 1; q < nsrcs; ++q) {
       acc = _mm512_add_ps(acc, load16(static_cast<const T*>(srcs[q]) + i));
     }
-    if (avg) acc = _mm512_div_ps(acc, divisor);
+    if (divide) acc = _mm512_div_ps(acc, by);
     store16(dst + i, acc);
   }
-  for (; i < n; ++i) dst[i] = sum_once_at<T>(srcs, nsrcs, i, avg);
+  for (; i < n; ++i) dst[i] = sum_once_at<T>(srcs, nsrcs, i, divide, divisor);
 }
 
 RR_AVX2 inline __m256 load8(const half_bits* p) {
@@ -310,19 +317,20 @@ RR_AVX2 inline void store8(half_bits* p, __m256 v) {
 
 // float16, 8 elements an iteration (bfloat16: sum_once_avx2_bf16 below).
 template <typename T>
-RR_AVX2 void sum_once_avx2(T* dst, const void* const* srcs, int nsrcs, int64_t n, bool avg) {
+RR_AVX2 void sum_once_avx2(T* dst, const void* const* srcs, int nsrcs, int64_t n, bool divide,
+                           float divisor) {
   note_width(1);
-  const __m256 divisor = _mm256_set1_ps(float(nsrcs));
+  const __m256 by = _mm256_set1_ps(divisor);
   int64_t i = 0;
   for (; i + 8 <= n; i += 8) {
     __m256 acc = load8(static_cast<const T*>(srcs[0]) + i);
     for (int q = 1; q < nsrcs; ++q) {
       acc = _mm256_add_ps(acc, load8(static_cast<const T*>(srcs[q]) + i));
     }
-    if (avg) acc = _mm256_div_ps(acc, divisor);
+    if (divide) acc = _mm256_div_ps(acc, by);
     store8(dst + i, acc);
   }
-  for (; i < n; ++i) dst[i] = sum_once_at<T>(srcs, nsrcs, i, avg);
+  for (; i < n; ++i) dst[i] = sum_once_at<T>(srcs, nsrcs, i, divide, divisor);
 }
 
 // bfloat16, 16 elements an iteration: zeros interleaved below each element (unpack) make its
@@ -349,9 +357,9 @@ RR_AVX2 inline void store16(bf16_bits* p, __m256 lo, __m256 hi) {
 }
 
 RR_AVX2 void sum_once_avx2_bf16(bf16_bits* dst, const void* const* srcs, int nsrcs, int64_t n,
-                                bool avg) {
+                                bool divide, float divisor) {
   note_width(1);
-  const __m256 divisor = _mm256_set1_ps(float(nsrcs));
+  const __m256 by = _mm256_set1_ps(divisor);
   int64_t i = 0;
   for (; i + 16 <= n; i += 16) {
     __m256 lo, hi;
@@ -362,13 +370,13 @@ RR_AVX2 void sum_once_avx2_bf16(bf16_bits* dst, const void* const* srcs, int nsr
       lo = _mm256_add_ps(lo, lo_q);
       hi = _mm256_add_ps(hi, hi_q);
     }
-    if (avg) {
-      lo = _mm256_div_ps(lo, divisor);
-      hi = _mm256_div_ps(hi, divisor);
+    if (divide) {
+      lo = _mm256_div_ps(lo, by);
+      hi = _mm256_div_ps(hi, by);
     }
     store16(dst + i, lo, hi);
   }
-  for (; i < n; ++i) dst[i] = sum_once_at<bf16_bits>(srcs, nsrcs, i, avg);
+  for (; i < n; ++i) dst[i] = sum_once_at<bf16_bits>(srcs, nsrcs, i, divide, divisor);
 }
 
 #undef RR_AVX2
@@ -377,7 +385,7 @@ RR_AVX2 void sum_once_avx2_bf16(bf16_bits* dst, const void* const* srcs, int nsr
 #undef RR_MM_PTR
 
 template <typename T>
-using OnceLoop = void (*)(T*, const void* const*, int, int64_t, bool);
+using OnceLoop = void (*)(T*, const void* const*, int, int64_t, bool, float);
 
 // The once-rounded loops for n elements, chosen as add_loops chooses the float ones: the widest
 // the CPU has (and RINGREDUCE_CPU_SIMD allows) from avx512_min_bytes() up, at most AVX2 below.
@@ -414,6 +422,31 @@ OnceLoop<T> once_loop(int64_t n) {
   return n >= choice.wide_from ? choice.wide : choice.narrow;
 }
 
+// One per-hop hop of a float16 / bfloat16 sum (RINGREDUCE_HALF_ROUNDING=per_hop): dst =
+// round(own + src), on an average's last hop round((own + src) / nranks), Reducer's arithmetic,
+// in the vector loops where the CPU has them; the baseline keeps combine_typed.
+template <typename T>
+bool half_combine_typed(bool divide, void* dst, const void* own, const void* src, int64_t n,
+                        int nranks) {
+  const OnceLoop<T> loop = once_loop<T>(n);
+  if (loop == sum_once_base<T>) {
+    note_width(0);
+    return false;
+  }
+  const void* const srcs[2] = {own, src};
+  loop(static_cast<T*>(dst), srcs, 2, n, divide, float(nranks));
+  return true;
+}
+
+bool half_combine(DType dtype, Op op, void* dst, const void* own, const void* src, int64_t n,
+                  bool last, int nranks) {
+  if (op != Op::Sum && op != Op::Avg) return false;
+  const bool divide = op == Op::Avg && last;
+  if (dtype == DType::BF16) return half_combine_typed<bf16_bits>(divide, dst, own, src, n, nranks);
+  if (dtype == DType::F16) return half_combine_typed<half_bits>(divide, dst, own, src, n, nranks);
+  return false;
+}
+
 void check_once(DType dtype, Op op, int nsrcs) {
   if (nsrcs < 1 || (op != Op::Sum && op != Op::Avg))
     throw std::logic_error("ringreduce internal error: sum_rounded_once takes sum or avg of at "
@@ -435,7 +468,7 @@ void all_reduce_once_typed(const void* const* in, void* const* out, int nranks, 
     const int64_t len = std::min(kOnceBlock, count - i);
     for (int r = 0; r < nranks; ++r) srcs[size_t(r)] = static_cast<const T*>(in[r]) + i;
     T* first = static_cast<T*>(out[0]) + i;
-    loop(first, srcs.data(), nranks, len, avg);
+    loop(first, srcs.data(), nranks, len, avg, float(nranks));
     for (int r = 1; r < nranks; ++r) {
       std::memcpy(static_cast<T*>(out[r]) + i, first, size_t(len) * sizeof(T));
     }
@@ -450,9 +483,9 @@ void sum_rounded_once(DType dtype, Op op, void* dst, const void* const* srcs, in
   if (n <= 0) return;
   const bool avg = op == Op::Avg;
   if (dtype == DType::BF16) {
-    once_loop<bf16_bits>(n)(static_cast<bf16_bits*>(dst), srcs, nsrcs, n, avg);
+    once_loop<bf16_bits>(n)(static_cast<bf16_bits*>(dst), srcs, nsrcs, n, avg, float(nsrcs));
   } else {
-    once_loop<half_bits>(n)(static_cast<half_bits*>(dst), srcs, nsrcs, n, avg);
+    once_loop<half_bits>(n)(static_cast<half_bits*>(dst), srcs, nsrcs, n, avg, float(nsrcs));
   }
 }
 

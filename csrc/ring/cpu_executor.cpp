@@ -258,11 +258,12 @@ inline T sum_once_at(const void* const* srcs, int nsrcs, int64_t i, bool divide,
 
 // The vector loops: each vector of elements is loaded from every source and converted to fp32
 // (exact), summed in rank order with IEEE adds (then one division on an average), and rounded
-// once to nearest even, as sum_once_base does element by element: the same bits, NaN payloads
-// included. bfloat16 converts with integer operations (the bits of bf16_from_float; AVX512_BF16's
+// once to nearest even, as sum_once_base does element by element: the same bits (NaN payloads
+// aside: an add of two NaNs may keep either's). bfloat16 converts with integer operations (the bits of bf16_from_float; AVX512_BF16's
 // conversion would flush subnormals), float16 with the F16C / AVX-512 conversions, which round
 // to nearest even and overflow to infinity as half_from_float does. All of a vector's loads
 // come before its store, so dst may be one of the sources.
+//
 // Every vector loop asks for its sources' lines kPrefetchElems ahead of its reads: the one-round
 // path reads peers' slots just written on other cores, which the hardware's prefetch alone
 // brings late (2 ranks, 32 KiB bfloat16 on the Intel Xeon VM: 20.6 to 16.4-16.9 us a call

@@ -109,23 +109,31 @@ AddLoops<F> loops_of_width(int width) {
   }
 }
 
-// The loops for n elements: the widest allowed from avx512_min_bytes() up, at most AVX2 below.
-template <typename F>
+// A kind of loop in two widths: the widest allowed (simd_width) for loops of at least
+// avx512_min_bytes(), at most AVX2 below. Each kind chooses once per process.
+template <typename L>
 struct WidthChoice {
-  AddLoops<F> narrow;
-  AddLoops<F> wide;
+  L narrow;
+  L wide;
   int64_t wide_from;  // elements
+
+  const L& of(int64_t n) const { return n >= wide_from ? wide : narrow; }
 };
+
+// of_width(width) gives the loops of a width (2, 1, 0) over elements of esize bytes.
+template <typename L, typename OfWidth>
+WidthChoice<L> choose_width(OfWidth of_width, int64_t esize) {
+  const int width = simd_width();
+  const int64_t min_bytes = avx512_min_bytes();
+  return WidthChoice<L>{of_width(std::min(width, 1)), of_width(width),
+                        (min_bytes + esize - 1) / esize};
+}
 
 template <typename F>
 const AddLoops<F>& add_loops(int64_t n) {
-  static const WidthChoice<F> choice = [] {
-    const int width = simd_width();
-    const int64_t min_bytes = avx512_min_bytes();
-    return WidthChoice<F>{loops_of_width<F>(std::min(width, 1)), loops_of_width<F>(width),
-                          (min_bytes + int64_t(sizeof(F)) - 1) / int64_t(sizeof(F))};
-  }();
-  return n >= choice.wide_from ? choice.wide : choice.narrow;
+  static const WidthChoice<AddLoops<F>> choice =
+      choose_width<AddLoops<F>>(loops_of_width<F>, int64_t(sizeof(F)));
+  return choice.of(n);
 }
 
 template <typename F>
@@ -412,16 +420,8 @@ RR_AVX2 void sum_once_avx2_bf16(bf16_bits* dst, const void* const* srcs, int nsr
 template <typename T>
 using OnceLoop = void (*)(T*, const void* const*, int, int64_t, bool, float);
 
-// The once-rounded loops for n elements, chosen as add_loops chooses the float ones: the widest
-// the CPU has (and RINGREDUCE_CPU_SIMD allows) from avx512_min_bytes() up, at most AVX2 below.
-// float16's AVX2 loop needs F16C too; without it float16 takes the baseline below AVX-512.
-template <typename T>
-struct OnceChoice {
-  OnceLoop<T> narrow;
-  OnceLoop<T> wide;
-  int64_t wide_from;  // elements
-};
-
+// The once-rounded loops of a width. float16's AVX2 loop needs F16C too; without it float16
+// takes the baseline below AVX-512.
 template <typename T>
 OnceLoop<T> once_loop_of_width(int width) {
   if (width >= 2) return sum_once_avx512<T>;
@@ -436,15 +436,12 @@ OnceLoop<bf16_bits> once_loop_of_width<bf16_bits>(int width) {
   return sum_once_base<bf16_bits>;
 }
 
+// The once-rounded loop for n elements, chosen as add_loops chooses the float ones.
 template <typename T>
 OnceLoop<T> once_loop(int64_t n) {
-  static const OnceChoice<T> choice = [] {
-    const int width = simd_width();
-    const int64_t min_bytes = avx512_min_bytes();
-    return OnceChoice<T>{once_loop_of_width<T>(std::min(width, 1)), once_loop_of_width<T>(width),
-                         (min_bytes + int64_t(sizeof(T)) - 1) / int64_t(sizeof(T))};
-  }();
-  return n >= choice.wide_from ? choice.wide : choice.narrow;
+  static const WidthChoice<OnceLoop<T>> choice =
+      choose_width<OnceLoop<T>>(once_loop_of_width<T>, int64_t(sizeof(T)));
+  return choice.of(n);
 }
 
 // One per-hop hop of a float16 / bfloat16 sum (RINGREDUCE_HALF_ROUNDING=per_hop): dst =

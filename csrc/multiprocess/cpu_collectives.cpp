@@ -190,8 +190,8 @@ void small_all_reduce(HostGroup& g, const Ctx& ctx, void* data, int64_t count, D
   g.small_finished(ctx);
 }
 
-// The all-reduce of float16 / bfloat16 sums and averages rounded once (rounds_once), for
-// tensors above the small path, and of everything else where HostGroup::two_shot says so (more
+// The all-reduce of float16 / bfloat16 sums and averages rounded once (rounds_once) among more
+// than two ranks (two take the ring), for tensors above the small path, and of everything else where HostGroup::two_shot says so (more
 // ranks than cores): a two-shot reduce-scatter + all-gather through the staging areas. Each
 // round carries up to a staging area's worth of elements, cut into N pieces (16-byte
 // multiples); rank r owns piece r.
@@ -274,7 +274,10 @@ void two_shot_all_reduce(HostGroup& g, const Ctx& ctx, void* data, int64_t count
 AllReducePath all_reduce_path(const HostGroup& g, int64_t count, DType dtype, Op op) {
   const int64_t bytes = count * elem_size(dtype);
   if (g.small_bytes() > 0 && bytes <= g.small_bytes()) return AllReducePath::Small;
-  if (::rr::cpu::rounds_once(dtype, op, half_rounding(g)) || g.two_shot(bytes))
+  // At two ranks the ring's one reduce hop adds the two inputs in rank order and rounds once
+  // (below): the two-shot's bits, with half its staging copy.
+  if ((::rr::cpu::rounds_once(dtype, op, half_rounding(g)) && g.nranks() > 2) ||
+      g.two_shot(bytes))
     return AllReducePath::TwoShot;
   return AllReducePath::Ring;
 }
@@ -305,6 +308,10 @@ void all_reduce(HostGroup& g, void* data, int64_t count, DType dtype, Op op) {
     const int rank = g.rank();
     const int pred = mod(rank - 1, n);
     const int64_t esize = elem_size(dtype);
+    const bool once = ::rr::cpu::rounds_once(dtype, op, half_rounding(g));
+    if (once && n != 2)
+      throw std::logic_error("ringreduce internal error: a once-rounded ring all_reduce of " +
+                             std::to_string(n) + " ranks (only 2 take the ring)");
     // Rounds alternate between the two halves of the staging area, where a half holds a
     // piece of every chunk: a rank writing staging lines its successor read one round earlier
     // stalls on them (measured: 2 ranks, 64 KiB, 13 us a call in one area, 9 in alternate
@@ -352,7 +359,15 @@ void all_reduce(HostGroup& g, void* data, int64_t count, DType dtype, Op op) {
           if (s.reduce) {
             // A partial goes on to the successor; the final value goes to the tensor and on
             // to the successor, whose all-gather starts with it.
-            if (s.last_reduce) {
+            if (once) {
+              // Two ranks (all_reduce_path), so this is the only reduce hop: the fp32 sum of
+              // rank 0's and rank 1's elements, rounded once, as two_shot_all_reduce makes it.
+              const void* srcs[2];
+              srcs[rank] = out;
+              srcs[pred] = src;
+              ::rr::cpu::sum_rounded_once(dtype, op, out, srcs, 2, len);
+              copy_bytes(stage, out, len * esize);
+            } else if (s.last_reduce) {
               combine_out(dtype, op, out, stage, out, src, len, true, n);
             } else {
               ::rr::cpu::combine(dtype, op, stage, out, src, len, false, n);

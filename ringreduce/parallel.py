@@ -14,7 +14,10 @@ What differs from torch:
   module's own (so in-place buffer updates such as BatchNorm's running statistics are kept,
   as in torch). ``device_ids`` is kept as a list of ``torch.device``.
 - Gradients are summed in the ring's fixed order: results equal nn.DataParallel's up to
-  that order, and are bitwise the same from run to run.
+  that order, and are bitwise the same from run to run as long as the replicas' own
+  computations are. (They are not always on a process's first forward: two threads making
+  the process's first call of torch's CPU float64 tanh at once sometimes get a result one ulp
+  off later calls; tests/test_data_parallel.py.)
 - Without ``device_ids`` on a machine without a GPU, the module is called directly (as
   nn.DataParallel does without an accelerator).
 """

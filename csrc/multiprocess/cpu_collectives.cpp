@@ -191,10 +191,10 @@ void small_all_reduce(HostGroup& g, const Ctx& ctx, void* data, int64_t count, D
 }
 
 // The all-reduce of float16 / bfloat16 sums and averages rounded once (rounds_once) among more
-// than two ranks (two take the ring), for tensors above the small path, and of everything else where HostGroup::two_shot says so (more
-// ranks than cores): a two-shot reduce-scatter + all-gather through the staging areas. Each
-// round carries up to a staging area's worth of elements, cut into N pieces (16-byte
-// multiples); rank r owns piece r.
+// than two ranks (two take the ring), for tensors above the small path, and of everything else
+// where HostGroup::two_shot says so (more ranks than cores): a two-shot reduce-scatter +
+// all-gather through the staging areas. Each round carries up to a staging area's worth of
+// elements, cut into N pieces (16-byte multiples); rank r owns piece r.
 //   1. every rank copies the round's elements into its staging area and publishes base + 1;
 //   2. rank r reads piece r from every rank's area and reduces it: rounded once, summed in
 //      fp32 in rank order 0, 1, ..., N-1, written over piece r of its own area (no peer reads
